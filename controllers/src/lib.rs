@@ -1,0 +1,10 @@
+//! pmem-csi's cluster-side building blocks: the admin server every subcommand runs, its logging
+//! setup and, as they land, the reconcile framework and the controllers built on it.
+
+pub mod admin;
+pub mod logging;
+pub mod readiness;
+
+pub use admin::{AdminError, AdminServer};
+pub use logging::LogFormat;
+pub use readiness::{Readiness, ReadyFlag};

@@ -1,0 +1,303 @@
+//! testenv: a real Kubernetes control plane on 127.0.0.1 for pmem-csi's integration tests and
+//! demo — etcd, kube-apiserver, kube-controller-manager and kube-scheduler built from the Go
+//! module proxy at pinned versions, simulated nodes, and processes supervised as kubelet would.
+//! No containers, no kubelet.
+
+pub mod control_plane;
+pub mod kubeconfig;
+pub mod leftovers;
+pub mod nodes;
+pub mod pki;
+pub mod ports;
+pub mod process;
+pub mod scheduler_config;
+pub mod tools;
+pub mod wait;
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use tokio::runtime::Handle;
+use tokio_util::sync::CancellationToken;
+
+pub use control_plane::{ControlPlane, ControlPlaneError};
+pub use leftovers::Leftovers;
+pub use nodes::{DEFAULT_DRIVER_NAME, NodeSpec};
+pub use process::{ProcessGroup, ProcessSpec, Supervised, SupervisedState};
+pub use scheduler_config::SchedulerConfig;
+pub use tools::Tools;
+
+/// What can go wrong starting a testenv.
+#[derive(Debug, thiserror::Error)]
+pub enum TestEnvError {
+    /// Tools are missing.
+    #[error(transparent)]
+    Tools(#[from] tools::ToolsError),
+    /// Certificates.
+    #[error(transparent)]
+    Pki(#[from] pki::PkiError),
+    /// The control plane.
+    #[error(transparent)]
+    ControlPlane(#[from] ControlPlaneError),
+    /// Processes.
+    #[error(transparent)]
+    Process(#[from] process::ProcessError),
+    /// Node objects.
+    #[error(transparent)]
+    Nodes(#[from] nodes::NodesError),
+    /// The work directory.
+    #[error("creating work directory under {parent}: {source}")]
+    WorkDir {
+        /// Where.
+        parent: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+/// How to build a [`TestEnv`].
+#[derive(Clone, Debug)]
+pub struct TestEnvBuilder {
+    nodes: Vec<NodeSpec>,
+    driver_name: String,
+    scheduler: SchedulerConfig,
+}
+
+impl Default for TestEnvBuilder {
+    fn default() -> Self {
+        Self {
+            nodes: Vec::new(),
+            driver_name: DEFAULT_DRIVER_NAME.to_string(),
+            scheduler: SchedulerConfig::default(),
+        }
+    }
+}
+
+impl TestEnvBuilder {
+    /// Adds `n` nodes that run the driver, named `node-1` … `node-n` after those already added.
+    pub fn nodes(mut self, n: usize) -> Self {
+        let start = self.nodes.len();
+        self.nodes
+            .extend((start + 1..=start + n).map(|i| NodeSpec::with_driver(format!("node-{i}"))));
+        self
+    }
+
+    /// Adds one node.
+    pub fn node(mut self, node: NodeSpec) -> Self {
+        self.nodes.push(node);
+        self
+    }
+
+    /// Sets the CSI driver name (default `pmem-csi.intel.com`).
+    pub fn driver_name(mut self, name: impl Into<String>) -> Self {
+        self.driver_name = name.into();
+        self
+    }
+
+    /// Replaces the kube-scheduler configuration.
+    pub fn scheduler(mut self, config: SchedulerConfig) -> Self {
+        self.scheduler = config;
+        self
+    }
+
+    /// Starts everything on the current tokio runtime.
+    pub async fn start(self) -> Result<TestEnv, TestEnvError> {
+        TestEnv::start(self, Handle::current()).await
+    }
+}
+
+/// A running testenv. Dropping it kills every process it started; [`TestEnv::stop`] stops them
+/// gracefully and removes its directory.
+#[derive(Debug)]
+pub struct TestEnv {
+    dir: tempfile::TempDir,
+    tools: Tools,
+    driver_name: String,
+    nodes: Vec<NodeSpec>,
+    control_plane: Option<ControlPlane>,
+    runtime: Handle,
+    /// Cancelled first on stop, so that no supervisor restarts what teardown kills.
+    shutdown: CancellationToken,
+    // Declared last: dropped after the components, so their graceful stop comes first.
+    group: ProcessGroup,
+}
+
+impl TestEnv {
+    /// A builder with no nodes.
+    pub fn builder() -> TestEnvBuilder {
+        TestEnvBuilder::default()
+    }
+
+    async fn start(builder: TestEnvBuilder, runtime: Handle) -> Result<Self, TestEnvError> {
+        let tools = Tools::locate()?;
+        let parent = std::env::temp_dir();
+        leftovers::remove_stale_work_dirs(&parent);
+        let dir = tempfile::Builder::new()
+            .prefix(&leftovers::work_dir_prefix())
+            .tempdir_in(&parent)
+            .map_err(|source| TestEnvError::WorkDir {
+                parent: parent.clone(),
+                source,
+            })?;
+        let group = ProcessGroup::new()?;
+        let pki = pki::Pki::new()?;
+        tracing::info!(dir = %dir.path().display(), "starting testenv");
+        let control_plane =
+            ControlPlane::start(dir.path(), &tools, &pki, &group, &builder.scheduler).await?;
+        let env = Self {
+            dir,
+            tools,
+            driver_name: builder.driver_name,
+            nodes: builder.nodes,
+            control_plane: Some(control_plane),
+            runtime,
+            shutdown: CancellationToken::new(),
+            group,
+        };
+        let client = env.client().await?;
+        for node in &env.nodes {
+            node.create(&client, &env.driver_name).await?;
+        }
+        Ok(env)
+    }
+
+    /// A shared testenv for all tests of one test binary, started on first use with
+    /// `configure` on a runtime of its own (each `#[tokio::test]` has its own runtime, which
+    /// ends with the test). Its processes die with the test process through the watchdog.
+    pub fn shared(configure: fn() -> TestEnvBuilder) -> &'static TestEnv {
+        static SHARED: OnceLock<TestEnv> = OnceLock::new();
+        SHARED.get_or_init(|| {
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::Builder::new()
+                .name("testenv".into())
+                .spawn(move || {
+                    let runtime = match tokio::runtime::Builder::new_multi_thread()
+                        .worker_threads(2)
+                        .enable_all()
+                        .build()
+                    {
+                        Ok(r) => r,
+                        Err(e) => {
+                            let _ = tx.send(Err(e.to_string()));
+                            return;
+                        }
+                    };
+                    let env = runtime.block_on(configure().start());
+                    let _ = tx.send(env.map_err(|e| e.to_string()));
+                    // Keep the runtime, and the supervisors on it, alive for the process.
+                    runtime.block_on(std::future::pending::<()>());
+                })
+                .unwrap_or_else(|e| panic!("spawning the testenv thread: {e}"));
+            match rx.recv() {
+                Ok(Ok(env)) => env,
+                Ok(Err(e)) => panic!("starting the shared testenv: {e}"),
+                Err(e) => panic!("the testenv thread died: {e}"),
+            }
+        })
+    }
+
+    /// An admin client (`system:masters`) on the caller's runtime.
+    pub async fn client(&self) -> Result<kube::Client, ControlPlaneError> {
+        control_plane::client_from(&self.admin_kubeconfig(), "admin").await
+    }
+
+    /// The admin kubeconfig.
+    pub fn admin_kubeconfig(&self) -> PathBuf {
+        self.control_plane()
+            .map(|c| c.admin_kubeconfig.clone())
+            .unwrap_or_default()
+    }
+
+    /// `https://127.0.0.1:<port>` of kube-apiserver.
+    pub fn server(&self) -> String {
+        self.control_plane()
+            .map(|c| c.server.clone())
+            .unwrap_or_default()
+    }
+
+    fn control_plane(&self) -> Option<&ControlPlane> {
+        self.control_plane.as_ref()
+    }
+
+    /// The testenv's work directory (logs, certificates, per-node state).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// The tools it runs.
+    pub fn tools(&self) -> &Tools {
+        &self.tools
+    }
+
+    /// The driver name.
+    pub fn driver_name(&self) -> &str {
+        &self.driver_name
+    }
+
+    /// The simulated nodes.
+    pub fn nodes(&self) -> &[NodeSpec] {
+        &self.nodes
+    }
+
+    /// The process group holding every child.
+    pub fn process_group_id(&self) -> i32 {
+        self.group.id()
+    }
+
+    /// Starts `spec` supervised (restarted with back-off when it exits) in this testenv's
+    /// process group, on the testenv's runtime. `spec.log` relative paths are under `logs/`.
+    pub fn supervise(&self, mut spec: ProcessSpec) -> Supervised {
+        if spec.log.is_relative() {
+            spec.log = self.dir().join("logs").join(&spec.log);
+        }
+        let _guard = self.runtime.enter();
+        Supervised::start(spec, &self.group, &self.shutdown)
+    }
+
+    /// Log files of the control plane, for failure messages.
+    pub fn logs(&self) -> Vec<PathBuf> {
+        self.control_plane()
+            .map(ControlPlane::logs)
+            .unwrap_or_default()
+    }
+
+    /// An error naming the first control-plane component that has exited.
+    pub fn check_running(&mut self) -> Result<(), process::ProcessError> {
+        match self.control_plane.as_mut() {
+            Some(c) => c.check_running(),
+            None => Ok(()),
+        }
+    }
+
+    /// Stops every process gracefully, kills what remains of the group and removes the work
+    /// directory. Returns what to check for leftovers.
+    pub async fn stop(mut self) -> Leftovers {
+        self.shutdown.cancel();
+        if let Some(control_plane) = self.control_plane.take() {
+            control_plane.stop().await;
+        }
+        self.group.kill_all();
+        let leftovers = Leftovers::new(self.group.id(), self.dir.path().to_path_buf());
+        if let Err(e) = std::fs::remove_dir_all(self.dir.path()) {
+            tracing::warn!(dir = %self.dir.path().display(), "removing the work directory: {e}");
+        }
+        leftovers
+    }
+}
+
+/// A namespace for one test, named `<prefix>-<random>`; tests sharing a testenv stay apart.
+pub async fn test_namespace(client: &kube::Client, prefix: &str) -> Result<String, kube::Error> {
+    use k8s_openapi::api::core::v1::Namespace;
+    use kube::api::{ObjectMeta, PostParams};
+    let ns = Namespace {
+        metadata: ObjectMeta {
+            generate_name: Some(format!("{prefix}-")),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let created = kube::Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &ns)
+        .await?;
+    Ok(created.metadata.name.unwrap_or_default())
+}

@@ -1,0 +1,513 @@
+//! Child processes of a testenv: one process group per testenv, guarded by a watchdog that kills
+//! the group when the test process dies (a `static` testenv never runs `Drop`), plain components
+//! and processes supervised the way kubelet restarts containers.
+
+use std::ffi::OsString;
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use rustix::process::{Pid, Signal};
+use tokio::process::{Child, Command};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+/// First restart delay of a supervised process (kubelet's CrashLoopBackOff, shortened).
+pub const RESTART_BACKOFF_START: Duration = Duration::from_secs(1);
+/// Longest restart delay of a supervised process.
+pub const RESTART_BACKOFF_MAX: Duration = Duration::from_secs(10);
+/// A process that ran this long before exiting restarts after the first delay again.
+const BACKOFF_RESET_AFTER: Duration = Duration::from_secs(10);
+/// How long a stopped process gets between SIGTERM and SIGKILL.
+const STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// What can go wrong starting or stopping processes.
+#[derive(Debug, thiserror::Error)]
+pub enum ProcessError {
+    /// The program could not be started.
+    #[error("starting {name} ({program}): {source}")]
+    Spawn {
+        /// Component name.
+        name: String,
+        /// Program path.
+        program: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The log file could not be created.
+    #[error("creating log file {path}: {source}")]
+    Log {
+        /// The log file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A signal could not be sent.
+    #[error("signalling {what}: {source}")]
+    Signal {
+        /// The target.
+        what: String,
+        /// Why.
+        source: rustix::io::Errno,
+    },
+    /// The process exited while it was expected to run.
+    #[error("{name} exited ({status}); last lines of {log}:\n{tail}")]
+    Exited {
+        /// Component name.
+        name: String,
+        /// Exit status.
+        status: String,
+        /// Its log file.
+        log: PathBuf,
+        /// The last lines of the log.
+        tail: String,
+    },
+}
+
+/// A process group holding every child of one testenv, and the watchdog that leads it.
+///
+/// The watchdog is `sh` reading its stdin, a pipe whose only writer is this process: when this
+/// process dies for any reason the read returns and the watchdog kills the whole group, itself
+/// included.
+#[derive(Debug)]
+pub struct ProcessGroup {
+    pgid: Pid,
+    watchdog: std::process::Child,
+}
+
+impl ProcessGroup {
+    /// Starts the watchdog, which becomes the leader of a new process group.
+    pub fn new() -> Result<Self, ProcessError> {
+        use std::os::unix::process::CommandExt;
+        let watchdog = std::process::Command::new("sh")
+            .args(["-c", "read -r _ ; kill -KILL 0"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .process_group(0)
+            .spawn()
+            .map_err(|source| ProcessError::Spawn {
+                name: "watchdog".into(),
+                program: "sh".into(),
+                source,
+            })?;
+        let pgid = Pid::from_raw(watchdog.id() as i32).ok_or_else(|| ProcessError::Spawn {
+            name: "watchdog".into(),
+            program: "sh".into(),
+            source: std::io::Error::other("watchdog has pid 0"),
+        })?;
+        Ok(Self { pgid, watchdog })
+    }
+
+    /// The group's id (the watchdog's pid).
+    pub fn id(&self) -> i32 {
+        self.pgid.as_raw_nonzero().get()
+    }
+
+    /// Whether any process of the group still exists (zombies included).
+    pub fn alive(&self) -> bool {
+        group_alive(self.id())
+    }
+
+    /// Kills every process of the group and reaps the watchdog.
+    pub fn kill_all(&mut self) {
+        // ESRCH means the group is gone already, which is the goal.
+        let _ = rustix::process::kill_process_group(self.pgid, Signal::KILL);
+        let _ = self.watchdog.wait();
+    }
+}
+
+impl Drop for ProcessGroup {
+    fn drop(&mut self) {
+        self.kill_all();
+    }
+}
+
+/// Whether process group `pgid` has any member left.
+pub fn group_alive(pgid: i32) -> bool {
+    match Pid::from_raw(pgid) {
+        Some(pid) => rustix::process::test_kill_process_group(pid).is_ok(),
+        None => false,
+    }
+}
+
+/// How to run one program.
+#[derive(Clone, Debug)]
+pub struct ProcessSpec {
+    /// Name used in logs and errors (`etcd`, `node-1/pmem-csi`).
+    pub name: String,
+    /// The program.
+    pub program: PathBuf,
+    /// Its arguments.
+    pub args: Vec<OsString>,
+    /// Extra environment variables.
+    pub env: Vec<(OsString, OsString)>,
+    /// File receiving stdout and stderr, appended to across restarts.
+    pub log: PathBuf,
+    /// A directory to mount a tmpfs on, in a mount namespace of the process's own: the mount
+    /// cannot outlive the process, whatever happens to the test.
+    pub private_tmpfs: Option<PathBuf>,
+}
+
+impl ProcessSpec {
+    /// A spec for `program` logging to `log`.
+    pub fn new(
+        name: impl Into<String>,
+        program: impl Into<PathBuf>,
+        log: impl Into<PathBuf>,
+    ) -> Self {
+        Self {
+            name: name.into(),
+            program: program.into(),
+            args: Vec::new(),
+            env: Vec::new(),
+            log: log.into(),
+            private_tmpfs: None,
+        }
+    }
+
+    /// Runs the process in its own mount namespace with a tmpfs on `dir`.
+    pub fn private_tmpfs(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.private_tmpfs = Some(dir.into());
+        self
+    }
+
+    /// Appends arguments.
+    pub fn args<I, S>(mut self, args: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<OsString>,
+    {
+        self.args.extend(args.into_iter().map(Into::into));
+        self
+    }
+
+    /// Sets an environment variable.
+    pub fn env(mut self, key: impl Into<OsString>, value: impl Into<OsString>) -> Self {
+        self.env.push((key.into(), value.into()));
+        self
+    }
+
+    fn spawn(&self, group: i32) -> Result<Child, ProcessError> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .map_err(|source| ProcessError::Log {
+                path: self.log.clone(),
+                source,
+            })?;
+        let log_err = log.try_clone().map_err(|source| ProcessError::Log {
+            path: self.log.clone(),
+            source,
+        })?;
+        let mut command = match &self.private_tmpfs {
+            None => {
+                let mut c = Command::new(&self.program);
+                c.args(&self.args);
+                c
+            }
+            Some(dir) => {
+                // `--propagation private` keeps the tmpfs out of the parent namespace; the
+                // namespace, and with it the mount, ends with the process.
+                let mut c = Command::new("unshare");
+                c.args(["--mount", "--propagation", "private", "--", "sh", "-c"])
+                    .arg(r#"mount -t tmpfs -o mode=0700 tmpfs "$1" && shift && exec "$@""#)
+                    .arg("sh")
+                    .arg(dir)
+                    .arg(&self.program)
+                    .args(&self.args);
+                c
+            }
+        };
+        command
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log_err)
+            .process_group(group)
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|source| ProcessError::Spawn {
+                name: self.name.clone(),
+                program: self.program.clone(),
+                source,
+            })
+    }
+
+    /// The last `lines` lines of the log, for error messages.
+    pub fn log_tail(&self, lines: usize) -> String {
+        tail(&self.log, lines)
+    }
+}
+
+/// The last `lines` lines of a file (at most its last 64 KiB are read).
+pub fn tail(path: &Path, lines: usize) -> String {
+    let Ok(mut file) = File::open(path) else {
+        return format!("(no log at {})", path.display());
+    };
+    let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+    let _ = file.seek(SeekFrom::Start(len.saturating_sub(64 * 1024)));
+    let mut text = String::new();
+    let mut buf = Vec::new();
+    if file.read_to_end(&mut buf).is_ok() {
+        text = String::from_utf8_lossy(&buf).into_owned();
+    }
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// A control-plane process: started once, expected to run until teardown.
+#[derive(Debug)]
+pub struct Component {
+    spec: ProcessSpec,
+    child: Child,
+}
+
+impl Component {
+    /// Starts `spec` in `group`.
+    pub fn start(spec: ProcessSpec, group: &ProcessGroup) -> Result<Self, ProcessError> {
+        let child = spec.spawn(group.id())?;
+        Ok(Self { spec, child })
+    }
+
+    /// The spec it was started from.
+    pub fn spec(&self) -> &ProcessSpec {
+        &self.spec
+    }
+
+    /// An error if the process has exited, with the end of its log.
+    pub fn check_running(&mut self) -> Result<(), ProcessError> {
+        match self.child.try_wait() {
+            Ok(None) => Ok(()),
+            Ok(Some(status)) => Err(ProcessError::Exited {
+                name: self.spec.name.clone(),
+                status: status.to_string(),
+                log: self.spec.log.clone(),
+                tail: self.spec.log_tail(20),
+            }),
+            Err(e) => Err(ProcessError::Exited {
+                name: self.spec.name.clone(),
+                status: e.to_string(),
+                log: self.spec.log.clone(),
+                tail: self.spec.log_tail(20),
+            }),
+        }
+    }
+
+    /// Sends SIGTERM and waits up to the stop grace before SIGKILL.
+    pub async fn stop(mut self) {
+        terminate(&mut self.child, &self.spec.name).await;
+    }
+}
+
+async fn terminate(child: &mut Child, name: &str) {
+    if let Some(pid) = child.id().and_then(|p| Pid::from_raw(p as i32)) {
+        let _ = rustix::process::kill_process(pid, Signal::TERM);
+        if tokio::time::timeout(STOP_GRACE, child.wait()).await.is_ok() {
+            return;
+        }
+        tracing::warn!(name, "did not stop within {STOP_GRACE:?}, killing");
+    }
+    let _ = child.kill().await;
+}
+
+/// Observable state of a supervised process.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SupervisedState {
+    /// Pid of the running instance, if one runs.
+    pub pid: Option<u32>,
+    /// How often it was restarted after exiting.
+    pub restarts: u32,
+    /// Whether it was stopped for good.
+    pub stopped: bool,
+}
+
+/// A process restarted with back-off whenever it exits, as kubelet restarts a container, until
+/// it is stopped for good.
+#[derive(Debug)]
+pub struct Supervised {
+    name: String,
+    state: watch::Receiver<SupervisedState>,
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Supervised {
+    /// Starts supervising `spec` in `group` on the current tokio runtime; cancelling
+    /// `shutdown` stops it as [`Supervised::stop`] does.
+    pub fn start(spec: ProcessSpec, group: &ProcessGroup, shutdown: &CancellationToken) -> Self {
+        let (tx, state) = watch::channel(SupervisedState::default());
+        let stop = shutdown.child_token();
+        let name = spec.name.clone();
+        let task = tokio::spawn(supervise(spec, group.id(), tx, stop.clone()));
+        Self {
+            name,
+            state,
+            stop,
+            task,
+        }
+    }
+
+    /// The process's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The current state.
+    pub fn state(&self) -> SupervisedState {
+        self.state.borrow().clone()
+    }
+
+    /// Sends `signal` to the running instance (for tests that crash a process).
+    pub fn signal(&self, signal: Signal) -> Result<(), ProcessError> {
+        let pid = self
+            .state()
+            .pid
+            .and_then(|p| Pid::from_raw(p as i32))
+            .ok_or_else(|| ProcessError::Signal {
+                what: self.name.clone(),
+                source: rustix::io::Errno::SRCH,
+            })?;
+        rustix::process::kill_process(pid, signal).map_err(|source| ProcessError::Signal {
+            what: self.name.clone(),
+            source,
+        })
+    }
+
+    /// Waits until a running instance satisfies `pred`, or `timeout` passes.
+    pub async fn wait_for(
+        &self,
+        timeout: Duration,
+        pred: impl Fn(&SupervisedState) -> bool,
+    ) -> Option<SupervisedState> {
+        let mut rx = self.state.clone();
+        let found = tokio::time::timeout(timeout, rx.wait_for(|s| pred(s))).await;
+        match found {
+            Ok(Ok(state)) => Some(state.clone()),
+            _ => None,
+        }
+    }
+
+    /// Stops the process for good: SIGTERM, then SIGKILL after a grace period. When this
+    /// returns, the supervisor has ended, so nothing can start the process again.
+    pub async fn stop(self) -> SupervisedState {
+        self.stop.cancel();
+        // The supervisor only ends by this token; a panic inside it is a testenv bug.
+        if let Err(e) = self.task.await {
+            tracing::error!(name = self.name, "supervisor task failed: {e}");
+        }
+        self.state.borrow().clone()
+    }
+}
+
+async fn supervise(
+    spec: ProcessSpec,
+    group: i32,
+    state: watch::Sender<SupervisedState>,
+    stop: CancellationToken,
+) {
+    let mut backoff = RESTART_BACKOFF_START;
+    loop {
+        let started = Instant::now();
+        let outcome = match spec.spawn(group) {
+            Ok(mut child) => {
+                let pid = child.id();
+                state.send_modify(|s| s.pid = pid);
+                tracing::debug!(name = spec.name, ?pid, "started");
+                tokio::select! {
+                    status = child.wait() => {
+                        state.send_modify(|s| s.pid = None);
+                        match status {
+                            Ok(status) => status.to_string(),
+                            Err(e) => e.to_string(),
+                        }
+                    }
+                    _ = stop.cancelled() => {
+                        terminate(&mut child, &spec.name).await;
+                        break;
+                    }
+                }
+            }
+            Err(e) => e.to_string(),
+        };
+        if started.elapsed() >= BACKOFF_RESET_AFTER {
+            backoff = RESTART_BACKOFF_START;
+        }
+        tracing::warn!(
+            name = spec.name,
+            outcome,
+            ?backoff,
+            "process exited, restarting after back-off"
+        );
+        append_marker(
+            &spec.log,
+            &format!(
+                "testenv: {} exited ({outcome}), restarting in {backoff:?}",
+                spec.name
+            ),
+        );
+        tokio::select! {
+            _ = tokio::time::sleep(backoff) => {}
+            _ = stop.cancelled() => break,
+        }
+        backoff = (backoff * 2).min(RESTART_BACKOFF_MAX);
+        state.send_modify(|s| s.restarts += 1);
+    }
+    state.send_modify(|s| {
+        s.pid = None;
+        s.stopped = true;
+    });
+    append_marker(&spec.log, &format!("testenv: {} stopped", spec.name));
+}
+
+fn append_marker(log: &Path, line: &str) {
+    use std::io::Write;
+    if let Ok(mut f) = std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(log)
+    {
+        let _ = writeln!(f, "{line}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tail_returns_last_lines() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("log");
+        std::fs::write(&path, "a\nb\nc\nd\n").expect("write");
+        assert_eq!(tail(&path, 2), "c\nd");
+        assert_eq!(tail(&path, 10), "a\nb\nc\nd");
+        assert!(tail(&dir.path().join("missing"), 2).starts_with("(no log at"));
+    }
+
+    #[tokio::test]
+    async fn group_dies_with_kill_all() {
+        let mut group = ProcessGroup::new().expect("group");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let sleeper = Component::start(
+            ProcessSpec::new("sleep", "sleep", dir.path().join("sleep.log")).args(["600"]),
+            &group,
+        )
+        .expect("start");
+        assert!(group.alive());
+        group.kill_all();
+        sleeper.stop().await; // reaps the killed child
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while group.alive() && Instant::now() < deadline {
+            tokio::task::yield_now().await;
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(
+            !group.alive(),
+            "process group {} still has members",
+            group.id()
+        );
+    }
+}
