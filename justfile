@@ -33,6 +33,8 @@ fmt:
 test: tools build
     cargo test --workspace --lib --bins
     cargo test --workspace --test '*' -- --test-threads=1
+    cargo run --quiet -p bench -- run --smoke
+    cargo run --quiet -p bench -- check
 
 # A 3-node testenv that runs until Ctrl-C; prints KUBECONFIG and the kubectl to use.
 demo: tools
@@ -41,4 +43,9 @@ demo: tools
 
 # Full benchmarks; results into bench/results/, rendered into BENCHMARKS.md.
 bench: tools
-    @echo "no benchmarks yet: the first arrive with the end-to-end issue" >&2
+    cargo build --workspace --bins
+    cargo run --release --quiet -p bench -- run
+
+# Re-render BENCHMARKS.md from the committed results.
+bench-render:
+    cargo run --quiet -p bench -- render

@@ -69,11 +69,13 @@ staging_replaces() {
     while read -r m; do go mod edit -replace="$m=$m@$staging"; done
 }
 
-# Prepares a throwaway module from the committed go.mod/go.sum in tools/<name>, or creates one.
+# Prepares the build module in the cache from the committed tools/<name>/go.{mod,sum} when they
+# require <pinned module> <pinned version>; otherwise the caller creates it afresh (the staging
+# replaces then come from k8s.io/kubernetes' own go.mod) and the new files are worth committing.
 module_dir() {
-  local name=$1 m=$dir/mod-$1
+  local name=$1 pinned=$2 m=$dir/mod-$1
   mkdir -p "$m"
-  if [[ -f $here/$name/go.mod ]]; then
+  if [[ -f $here/$name/go.mod ]] && grep -qF "$pinned" "$here/$name/go.mod"; then
     cp "$here/$name/go.mod" "$m/go.mod"
     [[ -f $here/$name/go.sum ]] && cp "$here/$name/go.sum" "$m/go.sum"
   fi
@@ -91,7 +93,7 @@ k8s_ldflags() {
 }
 
 build_kubernetes() {
-  local m; m=$(module_dir kubernetes)
+  local m; m=$(module_dir kubernetes "k8s.io/kubernetes $K8S_VERSION")
   (
     cd "$m"
     if [[ ! -f go.mod ]]; then
@@ -110,7 +112,7 @@ build_kubernetes() {
 }
 
 build_etcd() {
-  local m; m=$(module_dir etcd)
+  local m; m=$(module_dir etcd "go.etcd.io/etcd/server/v3 $ETCD_VERSION")
   (
     cd "$m"
     [[ -f go.mod ]] || go mod init pmem-csi-tools.invalid/etcd >/dev/null 2>&1
@@ -121,7 +123,7 @@ build_etcd() {
 }
 
 build_provisioner() {
-  local m; m=$(module_dir provisioner)
+  local m; m=$(module_dir provisioner "github.com/kubernetes-csi/external-provisioner/v6 $PROVISIONER_VERSION")
   (
     cd "$m"
     if [[ ! -f go.mod ]]; then
@@ -136,7 +138,7 @@ build_provisioner() {
 }
 
 build_sanity() {
-  local m; m=$(module_dir csi-sanity)
+  local m; m=$(module_dir csi-sanity "github.com/kubernetes-csi/csi-test/v5 $CSI_TEST_VERSION")
   (
     cd "$m"
     [[ -f go.mod ]] || go mod init pmem-csi-tools.invalid/csi-sanity >/dev/null 2>&1

@@ -1,0 +1,125 @@
+//! `pmem-csi-bench`: runs the benchmarks, writes `bench/results/<date>-<sha>.json` with raw
+//! samples and the machine, renders BENCHMARKS.md from the committed results, and checks that
+//! the committed BENCHMARKS.md is what the results render to.
+
+mod report;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use report::{Benchmark, Machine, Results, Target};
+
+#[derive(Parser, Debug)]
+#[command(name = "pmem-csi-bench")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run every benchmark. Without --smoke: write a result file, render BENCHMARKS.md and
+    /// fail when a target is missed.
+    Run {
+        /// Small scale, no result file, no targets: only proves the benchmarks still run.
+        #[arg(long)]
+        smoke: bool,
+        /// Samples per benchmark (full runs).
+        #[arg(long, default_value_t = 5)]
+        samples: usize,
+    },
+    /// Render BENCHMARKS.md from bench/results/.
+    Render,
+    /// Fail when BENCHMARKS.md differs from what bench/results/ renders to.
+    Check,
+}
+
+fn repo_root() -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let root = repo_root();
+    let results_dir = root.join("bench/results");
+    let markdown = root.join("BENCHMARKS.md");
+    match cli.command {
+        Command::Run { smoke, samples } => {
+            let samples = if smoke { 1 } else { samples.max(1) };
+            let runtime = tokio::runtime::Runtime::new().context("tokio runtime")?;
+            let benchmark = runtime.block_on(testenv_startup(samples))?;
+            if smoke {
+                println!("smoke: {} ran, {:?}", benchmark.name, benchmark.samples);
+                return Ok(());
+            }
+            let results = Results {
+                date: report::today()?,
+                sha: report::git_sha(&root)?,
+                machine: Machine::current(),
+                benchmarks: vec![benchmark],
+            };
+            let path = results.write(&results_dir)?;
+            println!("wrote {}", path.display());
+            std::fs::write(&markdown, report::render(&results_dir)?)
+                .with_context(|| format!("writing {}", markdown.display()))?;
+            let missed = results.missed();
+            anyhow::ensure!(missed.is_empty(), "targets missed: {}", missed.join("; "));
+        }
+        Command::Render => {
+            std::fs::write(&markdown, report::render(&results_dir)?)
+                .with_context(|| format!("writing {}", markdown.display()))?;
+        }
+        Command::Check => {
+            let want = report::render(&results_dir)?;
+            let have = std::fs::read_to_string(&markdown)
+                .with_context(|| format!("reading {}", markdown.display()))?;
+            anyhow::ensure!(
+                want == have,
+                "BENCHMARKS.md is not what bench/results/ renders to; run `just bench-render`"
+            );
+            println!("BENCHMARKS.md matches bench/results/");
+        }
+    }
+    Ok(())
+}
+
+/// Seconds from nothing to a ready 3-node control plane (etcd, apiserver, KCM, scheduler,
+/// Node and CSINode objects), and for a graceful teardown that leaves nothing behind. Every
+/// integration-test binary pays the start-up once.
+async fn testenv_startup(samples: usize) -> anyhow::Result<Benchmark> {
+    let mut start_s = Vec::new();
+    let mut stop_s = Vec::new();
+    for _ in 0..samples {
+        let t = Instant::now();
+        let env = testenv::TestEnv::builder()
+            .nodes(3)
+            .start()
+            .await
+            .context("starting testenv")?;
+        start_s.push(t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        let leftovers = env.stop().await;
+        let remaining = leftovers.wait_clean(Duration::from_secs(20)).await;
+        stop_s.push(t.elapsed().as_secs_f64());
+        anyhow::ensure!(remaining.is_empty(), "left behind: {remaining:?}");
+    }
+    Ok(Benchmark {
+        name: "testenv-startup".into(),
+        description: "3-node testenv from nothing to ready (seconds); teardown in `secondary`"
+            .into(),
+        unit: "s".into(),
+        samples: start_s,
+        secondary: stop_s,
+        target: Target { p50_max: 30.0 },
+        flags: serde_json::json!({"nodes": 3, "bindTimeoutSeconds": 30}),
+    })
+}

@@ -1,0 +1,255 @@
+//! Result files and the BENCHMARKS.md they render to.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use serde::{Deserialize, Serialize};
+
+/// One run of `just bench`.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Results {
+    /// UTC date, YYYY-MM-DD.
+    pub date: String,
+    /// Commit the run measured.
+    pub sha: String,
+    /// Where it ran.
+    pub machine: Machine,
+    /// What it measured.
+    pub benchmarks: Vec<Benchmark>,
+}
+
+/// The machine a run happened on.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Machine {
+    /// Logical CPUs.
+    pub cpus: usize,
+    /// Kernel release.
+    pub kernel: String,
+}
+
+impl Machine {
+    /// This machine.
+    pub fn current() -> Self {
+        Self {
+            cpus: std::thread::available_parallelism().map_or(0, usize::from),
+            kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
+                .map(|s| s.trim().to_string())
+                .unwrap_or_default(),
+        }
+    }
+}
+
+/// One benchmark's raw samples and target.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Benchmark {
+    /// Stable name.
+    pub name: String,
+    /// What a sample is.
+    pub description: String,
+    /// Unit of the samples.
+    pub unit: String,
+    /// Raw samples of the primary measure.
+    pub samples: Vec<f64>,
+    /// Raw samples of a secondary measure, if any.
+    #[serde(default)]
+    pub secondary: Vec<f64>,
+    /// What must hold.
+    pub target: Target,
+    /// Every knob the run used.
+    pub flags: serde_json::Value,
+}
+
+/// A benchmark's target.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Target {
+    /// The median sample must not exceed this.
+    pub p50_max: f64,
+}
+
+/// The `q`-quantile (nearest rank) of `samples`; 0 for none.
+pub fn quantile(samples: &[f64], q: f64) -> f64 {
+    if samples.is_empty() {
+        return 0.0;
+    }
+    let mut sorted = samples.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    sorted[rank - 1]
+}
+
+impl Benchmark {
+    fn met(&self) -> bool {
+        quantile(&self.samples, 0.5) <= self.target.p50_max
+    }
+}
+
+impl Results {
+    /// Descriptions of missed targets.
+    pub fn missed(&self) -> Vec<String> {
+        self.benchmarks
+            .iter()
+            .filter(|b| !b.met())
+            .map(|b| {
+                format!(
+                    "{}: p50 {:.2}{} > {}{}",
+                    b.name,
+                    quantile(&b.samples, 0.5),
+                    b.unit,
+                    b.target.p50_max,
+                    b.unit
+                )
+            })
+            .collect()
+    }
+
+    /// Writes `<dir>/<date>-<sha>.json`.
+    pub fn write(&self, dir: &Path) -> anyhow::Result<PathBuf> {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let path = dir.join(format!("{}-{}.json", self.date, self.sha));
+        let text = serde_json::to_string_pretty(self)?;
+        std::fs::write(&path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
+        Ok(path)
+    }
+}
+
+/// BENCHMARKS.md for every result file in `dir`: the newest run of each benchmark, then the
+/// history.
+pub fn render(dir: &Path) -> anyhow::Result<String> {
+    let mut files: Vec<PathBuf> = match std::fs::read_dir(dir) {
+        Ok(entries) => entries
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|e| e == "json"))
+            .collect(),
+        Err(_) => Vec::new(),
+    };
+    files.sort();
+    let mut runs = Vec::new();
+    for file in &files {
+        let text = std::fs::read_to_string(file)
+            .with_context(|| format!("reading {}", file.display()))?;
+        let results: Results = serde_json::from_str(&text)
+            .with_context(|| format!("parsing {}", file.display()))?;
+        runs.push((file_name(file), results));
+    }
+    let mut out = String::from(
+        "# Benchmarks\n\nRendered by `just bench` from `bench/results/*.json` (raw samples, machine \
+         and flags are in those files); do not edit by hand. `just test` runs every benchmark \
+         with `--smoke` and checks that this file matches the results.\n\n",
+    );
+    if runs.is_empty() {
+        out.push_str("No results yet.\n");
+        return Ok(out);
+    }
+    out.push_str(
+        "| benchmark | run | samples | p50 | p90 | max | secondary p50 | target (p50 ≤) | met |\n\
+         |---|---|---|---|---|---|---|---|---|\n",
+    );
+    for (file, results) in runs.iter().rev() {
+        for b in &results.benchmarks {
+            out.push_str(&format!(
+                "| {} | {} ({} CPUs) | {} | {:.2}{u} | {:.2}{u} | {:.2}{u} | {} | {}{u} | {} |\n",
+                b.name,
+                file,
+                results.machine.cpus,
+                b.samples.len(),
+                quantile(&b.samples, 0.5),
+                quantile(&b.samples, 0.9),
+                quantile(&b.samples, 1.0),
+                if b.secondary.is_empty() {
+                    "–".to_string()
+                } else {
+                    format!("{:.2}{}", quantile(&b.secondary, 0.5), b.unit)
+                },
+                b.target.p50_max,
+                if b.met() { "yes" } else { "**no**" },
+                u = b.unit,
+            ));
+        }
+    }
+    out.push('\n');
+    let mut described = std::collections::BTreeMap::new();
+    for (_, results) in &runs {
+        for b in &results.benchmarks {
+            described.insert(b.name.clone(), b.description.clone());
+        }
+    }
+    for (name, description) in described {
+        out.push_str(&format!("- `{name}`: {description}\n"));
+    }
+    Ok(out)
+}
+
+fn file_name(path: &Path) -> String {
+    path.file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+/// Today's UTC date.
+pub fn today() -> anyhow::Result<String> {
+    command_output(std::process::Command::new("date").args(["-u", "+%Y-%m-%d"]))
+}
+
+/// The short sha of HEAD in `root`.
+pub fn git_sha(root: &Path) -> anyhow::Result<String> {
+    command_output(
+        std::process::Command::new("git")
+            .arg("-C")
+            .arg(root)
+            .args(["rev-parse", "--short=12", "HEAD"]),
+    )
+}
+
+fn command_output(command: &mut std::process::Command) -> anyhow::Result<String> {
+    let out = command.output().with_context(|| format!("running {command:?}"))?;
+    anyhow::ensure!(out.status.success(), "{command:?} failed");
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantile_table() {
+        for (samples, q, want) in [
+            (vec![], 0.5, 0.0),
+            (vec![3.0], 0.5, 3.0),
+            (vec![5.0, 1.0, 3.0], 0.5, 3.0),
+            (vec![1.0, 2.0, 3.0, 4.0], 0.5, 2.0),
+            (vec![1.0, 2.0, 3.0, 4.0], 0.9, 4.0),
+            (vec![1.0, 2.0, 3.0, 4.0], 1.0, 4.0),
+        ] {
+            assert_eq!(quantile(&samples, q), want, "{samples:?} q={q}");
+        }
+    }
+
+    #[test]
+    fn render_shows_missed_targets_and_empty_state() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        assert!(render(dir.path()).expect("render").contains("No results yet."));
+        let results = Results {
+            date: "2026-01-01".into(),
+            sha: "abc".into(),
+            machine: Machine {
+                cpus: 2,
+                kernel: "k".into(),
+            },
+            benchmarks: vec![Benchmark {
+                name: "b".into(),
+                description: "d".into(),
+                unit: "s".into(),
+                samples: vec![2.0, 4.0],
+                secondary: vec![],
+                target: Target { p50_max: 1.0 },
+                flags: serde_json::json!({}),
+            }],
+        };
+        assert_eq!(results.missed().len(), 1);
+        results.write(dir.path()).expect("write");
+        let md = render(dir.path()).expect("render");
+        assert!(md.contains("| b | 2026-01-01-abc (2 CPUs) | 2 | 2.00s |"), "{md}");
+        assert!(md.contains("**no**"), "{md}");
+    }
+}
