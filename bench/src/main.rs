@@ -44,7 +44,7 @@ fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "warn".into()),
+                .unwrap_or_else(|_| "warn,kube_client=off".into()),
         )
         .with_writer(std::io::stderr)
         .init();
@@ -119,7 +119,7 @@ async fn testenv_startup(samples: usize) -> anyhow::Result<Benchmark> {
         unit: "s".into(),
         samples: start_s,
         secondary: stop_s,
-        target: Target { p50_max: 30.0 },
+        target: Target { p50_max: 10.0 },
         flags: serde_json::json!({"nodes": 3, "bindTimeoutSeconds": 30}),
     })
 }

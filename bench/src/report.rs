@@ -107,7 +107,8 @@ impl Results {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let path = dir.join(format!("{}-{}.json", self.date, self.sha));
         let text = serde_json::to_string_pretty(self)?;
-        std::fs::write(&path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
+        std::fs::write(&path, text + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
         Ok(path)
     }
 }
@@ -126,10 +127,10 @@ pub fn render(dir: &Path) -> anyhow::Result<String> {
     files.sort();
     let mut runs = Vec::new();
     for file in &files {
-        let text = std::fs::read_to_string(file)
-            .with_context(|| format!("reading {}", file.display()))?;
-        let results: Results = serde_json::from_str(&text)
-            .with_context(|| format!("parsing {}", file.display()))?;
+        let text =
+            std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+        let results: Results =
+            serde_json::from_str(&text).with_context(|| format!("parsing {}", file.display()))?;
         runs.push((file_name(file), results));
     }
     let mut out = String::from(
@@ -193,16 +194,17 @@ pub fn today() -> anyhow::Result<String> {
 
 /// The short sha of HEAD in `root`.
 pub fn git_sha(root: &Path) -> anyhow::Result<String> {
-    command_output(
-        std::process::Command::new("git")
-            .arg("-C")
-            .arg(root)
-            .args(["rev-parse", "--short=12", "HEAD"]),
-    )
+    command_output(std::process::Command::new("git").arg("-C").arg(root).args([
+        "rev-parse",
+        "--short=12",
+        "HEAD",
+    ]))
 }
 
 fn command_output(command: &mut std::process::Command) -> anyhow::Result<String> {
-    let out = command.output().with_context(|| format!("running {command:?}"))?;
+    let out = command
+        .output()
+        .with_context(|| format!("running {command:?}"))?;
     anyhow::ensure!(out.status.success(), "{command:?} failed");
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
@@ -228,7 +230,11 @@ mod tests {
     #[test]
     fn render_shows_missed_targets_and_empty_state() {
         let dir = tempfile::tempdir().expect("tempdir");
-        assert!(render(dir.path()).expect("render").contains("No results yet."));
+        assert!(
+            render(dir.path())
+                .expect("render")
+                .contains("No results yet.")
+        );
         let results = Results {
             date: "2026-01-01".into(),
             sha: "abc".into(),
@@ -249,7 +255,10 @@ mod tests {
         assert_eq!(results.missed().len(), 1);
         results.write(dir.path()).expect("write");
         let md = render(dir.path()).expect("render");
-        assert!(md.contains("| b | 2026-01-01-abc (2 CPUs) | 2 | 2.00s |"), "{md}");
+        assert!(
+            md.contains("| b | 2026-01-01-abc (2 CPUs) | 2 | 2.00s |"),
+            "{md}"
+        );
         assert!(md.contains("**no**"), "{md}");
     }
 }

@@ -57,7 +57,11 @@ mod tests {
     use super::*;
 
     /// (case, conditions set in order, expected not-ready names)
-    type Case = (&'static str, &'static [(&'static str, bool)], &'static [&'static str]);
+    type Case = (
+        &'static str,
+        &'static [(&'static str, bool)],
+        &'static [&'static str],
+    );
 
     #[test]
     fn readiness_table() {

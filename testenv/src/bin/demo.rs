@@ -11,7 +11,7 @@ async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info,kube=warn".into()),
+                .unwrap_or_else(|_| "info,kube_client=off".into()),
         )
         .with_writer(std::io::stderr)
         .init();
