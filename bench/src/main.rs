@@ -36,8 +36,16 @@ enum Command {
     Check,
 }
 
-fn repo_root() -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+/// The repository root: the working directory (`just` runs recipes there), so that a binary
+/// reused from a shared target directory never writes into another checkout.
+fn repo_root() -> anyhow::Result<PathBuf> {
+    let dir = std::env::current_dir().context("current directory")?;
+    anyhow::ensure!(
+        dir.join("bench/results").is_dir(),
+        "run from the repository root (no bench/results in {})",
+        dir.display()
+    );
+    Ok(dir)
 }
 
 fn main() -> anyhow::Result<()> {
@@ -49,7 +57,7 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    let root = repo_root();
+    let root = repo_root()?;
     let results_dir = root.join("bench/results");
     let markdown = root.join("BENCHMARKS.md");
     match cli.command {
