@@ -1,0 +1,221 @@
+//! The device backends behind one trait: where a volume's bytes live, how much room is left per
+//! pool, and how a volume becomes a block device for staging.
+
+use std::path::PathBuf;
+
+/// Which backend (`--device-mode`); the string is recorded per volume as `deviceMode`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DeviceMode {
+    /// Files on loop devices in a budgeted directory (development, kind, tests).
+    Emulated,
+    /// In memory, no devices (scale tests of the control plane).
+    Fake,
+}
+
+impl DeviceMode {
+    /// The `deviceMode` string.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeviceMode::Emulated => "emulated",
+            DeviceMode::Fake => "fake",
+        }
+    }
+}
+
+/// Room in one pool (an LVM volume group, a PMEM region; emulated and fake have one).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Pool {
+    /// Pool name.
+    pub name: String,
+    /// Bytes managed by the driver in this pool.
+    pub managed: u64,
+    /// Bytes not yet allocated to volumes.
+    pub free: u64,
+    /// Largest volume that fits in this pool (aligned down).
+    pub largest: u64,
+}
+
+/// Capacity of a node, derived from its pools.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Capacity {
+    /// Per pool, largest free first.
+    pub pools: Vec<Pool>,
+    /// All PMEM of the node, including what the driver does not manage.
+    pub total: u64,
+}
+
+impl Capacity {
+    /// Builds the capacity view, sorting pools by free space, largest first.
+    pub fn new(mut pools: Vec<Pool>, total: u64) -> Self {
+        pools.sort_by(|a, b| b.free.cmp(&a.free).then_with(|| a.name.cmp(&b.name)));
+        Self { pools, total }
+    }
+
+    /// Sum of free bytes.
+    pub fn available(&self) -> u64 {
+        self.pools.iter().map(|p| p.free).sum()
+    }
+
+    /// The largest volume that can be created.
+    pub fn max_volume_size(&self) -> u64 {
+        self.pools.iter().map(|p| p.largest).max().unwrap_or(0)
+    }
+
+    /// Sum of managed bytes.
+    pub fn managed(&self) -> u64 {
+        self.pools.iter().map(|p| p.managed).sum()
+    }
+}
+
+/// Backend failures, mapped to gRPC codes at the CSI boundary.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// Not enough room.
+    #[error(
+        "not enough space for {need} bytes: largest free extent is {largest} bytes, {free} bytes free in total"
+    )]
+    NoSpace {
+        /// Requested bytes (aligned).
+        need: u64,
+        /// Largest volume that fits.
+        largest: u64,
+        /// Free bytes in total.
+        free: u64,
+    },
+    /// The volume's device is mounted or open elsewhere.
+    #[error("device {device} of volume {id} is in use")]
+    InUse {
+        /// Volume ID.
+        id: String,
+        /// Device.
+        device: String,
+    },
+    /// The backend has no block devices.
+    #[error("device mode {mode} has no block devices: volumes cannot be staged or published")]
+    NoDevices {
+        /// The mode.
+        mode: &'static str,
+    },
+    /// A system call or tool failed.
+    #[error("{op} {what}: {reason}")]
+    Io {
+        /// What was being done.
+        op: &'static str,
+        /// On what.
+        what: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+impl BackendError {
+    /// An I/O failure.
+    pub fn io(
+        op: &'static str,
+        what: impl std::fmt::Display,
+        reason: impl std::fmt::Display,
+    ) -> Self {
+        BackendError::Io {
+            op,
+            what: what.to_string(),
+            reason: reason.to_string(),
+        }
+    }
+}
+
+/// A place volumes live in. Calls may block (file and device I/O); callers run them off the
+/// async executor and serialize calls per volume.
+pub trait Backend: Send + Sync + std::fmt::Debug {
+    /// The mode, recorded per volume.
+    fn mode(&self) -> DeviceMode;
+    /// Sizes are multiples of this.
+    fn alignment(&self) -> u64;
+    /// Current capacity.
+    fn capacity(&self) -> Result<Capacity, BackendError>;
+    /// Creates volume `id` of exactly `size` bytes (already aligned); an existing volume of that
+    /// size (left by a crash) is accepted.
+    fn create(&self, id: &str, size: u64) -> Result<(), BackendError>;
+    /// Deletes volume `id`, scrubbing it first if `erase`; a missing volume is not an error.
+    fn delete(&self, id: &str, erase: bool) -> Result<(), BackendError>;
+    /// The size of volume `id` if it exists.
+    fn size_of(&self, id: &str) -> Result<Option<u64>, BackendError>;
+    /// IDs of every volume the backend holds.
+    fn list(&self) -> Result<Vec<String>, BackendError>;
+    /// A block device for volume `id`, attaching one if needed (idempotent).
+    fn attach(&self, id: &str) -> Result<PathBuf, BackendError>;
+    /// The block device of volume `id` if one is attached.
+    fn attached(&self, id: &str) -> Result<Option<PathBuf>, BackendError>;
+    /// Releases the block device of volume `id` if one is attached and unused.
+    fn detach(&self, id: &str) -> Result<(), BackendError>;
+    /// Adopts volume `id` of `size` bytes known only from node state (backends without
+    /// persistent devices); returns false if the backend cannot adopt volumes.
+    fn adopt(&self, _id: &str, _size: u64) -> bool {
+        false
+    }
+    /// Detaches devices of this backend that no mount holds (left by a crash between attach
+    /// and mount, or between unmount and detach); returns what it released, for the repair log.
+    fn release_unused(&self) -> Result<Vec<String>, BackendError> {
+        Ok(Vec::new())
+    }
+}
+
+/// Rounds `size` up to a multiple of `alignment`; `None` on overflow.
+pub fn align_up(size: u64, alignment: u64) -> Option<u64> {
+    if alignment == 0 {
+        return Some(size);
+    }
+    size.checked_add(alignment - 1)
+        .map(|s| s / alignment * alignment)
+}
+
+/// Rounds `size` down to a multiple of `alignment`.
+pub fn align_down(size: u64, alignment: u64) -> u64 {
+    size.checked_div(alignment).map_or(size, |n| n * alignment)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn align_table() {
+        const A: u64 = 4 << 20;
+        for (size, up, down) in [
+            (0, Some(0), 0),
+            (1, Some(A), 0),
+            (A, Some(A), A),
+            (A + 1, Some(2 * A), A),
+            (u64::MAX, None, u64::MAX / A * A),
+        ] {
+            assert_eq!(align_up(size, A), up, "{size}");
+            assert_eq!(align_down(size, A), down, "{size}");
+        }
+    }
+
+    #[test]
+    fn capacity_derivations() {
+        let c = Capacity::new(
+            vec![
+                Pool {
+                    name: "b".into(),
+                    managed: 10,
+                    free: 2,
+                    largest: 2,
+                },
+                Pool {
+                    name: "a".into(),
+                    managed: 10,
+                    free: 6,
+                    largest: 4,
+                },
+            ],
+            30,
+        );
+        assert_eq!(c.pools[0].name, "a", "largest free first");
+        assert_eq!(
+            (c.available(), c.max_volume_size(), c.managed(), c.total),
+            (8, 4, 20, 30)
+        );
+        assert_eq!(Capacity::default().max_volume_size(), 0);
+    }
+}

@@ -1,0 +1,29 @@
+//! Named fault points for the crash test: with `PMEM_CSI_TEST_FAULT_POINT=<name>` set, the
+//! process kills itself with SIGKILL when it reaches that point, so a test can crash the driver
+//! at exactly the moments that matter (after the state write, after allocation, …). Without the
+//! variable a point costs one relaxed atomic load.
+
+use std::sync::OnceLock;
+
+/// Environment variable naming the fault point to die at.
+pub const FAULT_POINT_ENV: &str = "PMEM_CSI_TEST_FAULT_POINT";
+
+fn chosen() -> Option<&'static str> {
+    static CHOSEN: OnceLock<Option<String>> = OnceLock::new();
+    CHOSEN
+        .get_or_init(|| {
+            std::env::var(FAULT_POINT_ENV)
+                .ok()
+                .filter(|v| !v.is_empty())
+        })
+        .as_deref()
+}
+
+/// Dies here if this is the chosen fault point.
+pub fn point(name: &str) {
+    if chosen() == Some(name) {
+        tracing::warn!(point = name, "fault point reached, killing the process");
+        let _ =
+            rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL);
+    }
+}

@@ -1,0 +1,123 @@
+//! File systems on volumes: detecting what a device holds and making ext4 or xfs, through the
+//! standard tools (`blkid`, `mkfs.ext4`, `mkfs.xfs`).
+
+use std::path::Path;
+use std::process::Command;
+
+/// File systems the driver makes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum FsType {
+    /// ext4.
+    Ext4,
+    /// xfs.
+    Xfs,
+}
+
+impl FsType {
+    /// The kernel's name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FsType::Ext4 => "ext4",
+            FsType::Xfs => "xfs",
+        }
+    }
+
+    /// Parses a volume capability's `fs_type`.
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "ext4" => Some(FsType::Ext4),
+            "xfs" => Some(FsType::Xfs),
+            _ => None,
+        }
+    }
+}
+
+/// A file-system tool failed.
+#[derive(Debug, thiserror::Error)]
+#[error("{tool} on {device}: {reason}")]
+pub struct FsError {
+    /// The tool.
+    pub tool: &'static str,
+    /// The device.
+    pub device: String,
+    /// Why.
+    pub reason: String,
+}
+
+/// The file-system (or other) signature on `device`, `None` when it is empty.
+pub fn detect(device: &Path) -> Result<Option<String>, FsError> {
+    let err = |reason: String| FsError {
+        tool: "blkid",
+        device: device.display().to_string(),
+        reason,
+    };
+    // -p probes the device itself instead of trusting blkid's cache.
+    let out = Command::new("blkid")
+        .args(["-p", "-o", "value", "-s", "TYPE"])
+        .arg(device)
+        .output()
+        .map_err(|e| err(e.to_string()))?;
+    match out.status.code() {
+        Some(0) => {
+            let kind = String::from_utf8_lossy(&out.stdout).trim().to_string();
+            Ok(Some(if kind.is_empty() {
+                "unknown".into()
+            } else {
+                kind
+            }))
+        }
+        // 2: nothing found.
+        Some(2) => Ok(None),
+        _ => Err(err(String::from_utf8_lossy(&out.stderr).trim().to_string())),
+    }
+}
+
+/// Makes `fs` on `device`, with PMEM-CSI's layout options (4 KiB blocks; 2 MiB stripes so that
+/// DAX mappings can use huge pages).
+pub fn make(device: &Path, fs: FsType) -> Result<(), FsError> {
+    let mut command = match fs {
+        FsType::Ext4 => {
+            let mut c = Command::new("mkfs.ext4");
+            c.args([
+                "-q",
+                "-F",
+                "-b",
+                "4096",
+                "-E",
+                "stride=512,stripe_width=512",
+            ]);
+            c
+        }
+        FsType::Xfs => {
+            let mut c = Command::new("mkfs.xfs");
+            c.args([
+                "-q",
+                "-f",
+                "-b",
+                "size=4096",
+                "-m",
+                "reflink=0",
+                "-d",
+                "su=2m,sw=1",
+            ]);
+            c
+        }
+    };
+    let tool = match fs {
+        FsType::Ext4 => "mkfs.ext4",
+        FsType::Xfs => "mkfs.xfs",
+    };
+    let out = command.arg(device).output().map_err(|e| FsError {
+        tool,
+        device: device.display().to_string(),
+        reason: e.to_string(),
+    })?;
+    if !out.status.success() {
+        return Err(FsError {
+            tool,
+            device: device.display().to_string(),
+            reason: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        });
+    }
+    Ok(())
+}

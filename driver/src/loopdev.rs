@@ -1,0 +1,79 @@
+//! Loop devices through the standard `losetup` tool, and their backing files through sysfs.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::backend::BackendError;
+
+/// Loop devices and their backing files, read from `/sys/block/loop*/loop/backing_file`.
+pub fn attached() -> Vec<(PathBuf, PathBuf)> {
+    let Ok(entries) = std::fs::read_dir("/sys/block") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if !name.starts_with("loop") {
+                return None;
+            }
+            let backing = std::fs::read_to_string(e.path().join("loop/backing_file")).ok()?;
+            let backing = backing.trim().trim_end_matches(" (deleted)");
+            Some((
+                PathBuf::from(format!("/dev/{name}")),
+                PathBuf::from(backing),
+            ))
+        })
+        .collect()
+}
+
+/// The loop device backed by `file`, if any.
+pub fn find(file: &Path) -> Option<PathBuf> {
+    attached()
+        .into_iter()
+        .find(|(_, backing)| backing == file)
+        .map(|(device, _)| device)
+}
+
+/// Attaches `file` to a free loop device and returns it.
+pub fn attach(file: &Path) -> Result<PathBuf, BackendError> {
+    let out = Command::new("losetup")
+        .args(["--find", "--show"])
+        .arg(file)
+        .output()
+        .map_err(|e| BackendError::io("running losetup for", file.display(), e))?;
+    if !out.status.success() {
+        return Err(BackendError::io(
+            "attaching a loop device to",
+            file.display(),
+            String::from_utf8_lossy(&out.stderr).trim(),
+        ));
+    }
+    Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+}
+
+/// Detaches `device`.
+pub fn detach(device: &Path) -> Result<(), BackendError> {
+    let out = Command::new("losetup")
+        .arg("--detach")
+        .arg(device)
+        .output()
+        .map_err(|e| BackendError::io("running losetup for", device.display(), e))?;
+    if !out.status.success() {
+        return Err(BackendError::io(
+            "detaching",
+            device.display(),
+            String::from_utf8_lossy(&out.stderr).trim(),
+        ));
+    }
+    Ok(())
+}
+
+/// Whether the kernel reports DAX support for block `device` (loop devices never do).
+pub fn supports_dax(device: &Path) -> bool {
+    let Some(name) = device.file_name() else {
+        return false;
+    };
+    std::fs::read_to_string(Path::new("/sys/block").join(name).join("queue/dax"))
+        .is_ok_and(|v| v.trim() == "1")
+}

@@ -1,0 +1,62 @@
+//! Volume IDs as PMEM-CSI 1.0 derives them from the volume name, so that a volume provisioned by
+//! either driver is found by the other.
+
+use sha2::{Digest, Sha224};
+
+/// How many leading bytes of the name PMEM-CSI keeps in front of the hash.
+const NAME_PREFIX_BYTES: usize = 6;
+
+/// `<first ≤ 6 bytes of name>-<hex SHA-224 of name>`: short enough for LVM and ndctl names,
+/// recognisable in `lvs` output, and deterministic, so a retried CreateVolume finds the volume
+/// of its first attempt. PMEM-CSI slices bytes; Kubernetes volume names are ASCII, and for other
+/// names the prefix stops before a character it would split (PMEM-CSI would emit invalid UTF-8).
+pub fn volume_id(name: &str) -> String {
+    let mut end = name.len().min(NAME_PREFIX_BYTES);
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    let prefix = &name[..end];
+    let digest = Sha224::digest(name.as_bytes());
+    format!("{prefix}-{}", hex::encode(digest))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn volume_id_table() {
+        // Expected values computed independently (Python hashlib.sha224).
+        for (name, want) in [
+            (
+                "pvc-0123456789",
+                "pvc-01-d8facedeacd41b848edcb7ec163ce14e4e553c6be9bd7f678e97cc63",
+            ),
+            (
+                "a",
+                "a-abd37534c7d9a2efb9465de931cd7055ffdb8879563ae98078d6d6d5",
+            ),
+            // PMEM-CSI 1.0's own log (issue #933) and its sanity volume names.
+            (
+                "pvc-a63bc7db-3cbd-404d-9c9d-d7b1969cbaa8",
+                "pvc-a6-d3bf70885af9aa7fe39e0007671b912cf9749730ad814c8694225c2a",
+            ),
+            (
+                "sanity1",
+                "sanity-34f9848cf39af21e4fc0b9e97c93b7e7d14d2048336cbfda266e4d5b",
+            ),
+            (
+                "",
+                "-d14a028c2a3a2bc9476102bb288234c415a2b01f828ea62ac5b3e42f",
+            ),
+        ] {
+            assert_eq!(volume_id(name), want, "{name:?}");
+        }
+    }
+
+    #[test]
+    fn prefix_never_splits_a_character() {
+        assert!(volume_id("äöüßéèx").starts_with("äöü-"));
+        assert!(volume_id("aäöü").starts_with("aäö-"));
+    }
+}

@@ -1,0 +1,530 @@
+//! The volumes of this node: node state plus the backend, with the CreateVolume size and
+//! idempotence rules, per-volume serialization, and the start-up repair that makes state and
+//! devices agree again after a crash.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use tokio::sync::{OwnedMutexGuard, watch};
+
+use crate::backend::{Backend, Capacity, align_up};
+use crate::error::VolumeError;
+use crate::parameters::{self, Origin, Parameters};
+use crate::state::{StateStore, VolumeState};
+use crate::volume_id::volume_id;
+
+/// What CreateVolume asks for, in plain data.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CreateRequest {
+    /// Volume name.
+    pub name: String,
+    /// `capacity_range.required_bytes` (0 = not given).
+    pub required: u64,
+    /// `capacity_range.limit_bytes` (0 = no limit).
+    pub limit: u64,
+    /// Parsed parameters.
+    pub parameters: Parameters,
+}
+
+/// The size a new volume gets: `required` (or `default` when 0) rounded up to `alignment`,
+/// which must not pass a non-zero `limit`.
+pub fn new_volume_size(
+    required: u64,
+    limit: u64,
+    default: u64,
+    alignment: u64,
+) -> Result<u64, VolumeError> {
+    if limit > 0 && required > limit {
+        return Err(VolumeError::OutOfRange(format!(
+            "required_bytes {required} exceeds limit_bytes {limit}"
+        )));
+    }
+    let wanted = if required == 0 { default } else { required };
+    let aligned = align_up(wanted, alignment).ok_or_else(|| {
+        VolumeError::OutOfRange(format!("{wanted} bytes cannot be aligned to {alignment}"))
+    })?;
+    if aligned == 0 {
+        return Err(VolumeError::OutOfRange("a volume cannot be empty".into()));
+    }
+    if limit > 0 && aligned > limit {
+        let aligned_down = limit / alignment * alignment;
+        if required == 0 && aligned_down > 0 {
+            // No minimum asked: the largest aligned size within the limit serves.
+            return Ok(aligned_down);
+        }
+        return Err(VolumeError::OutOfRange(format!(
+            "{wanted} bytes rounded up to the alignment of {alignment} bytes is {aligned}, above limit_bytes {limit}"
+        )));
+    }
+    Ok(aligned)
+}
+
+/// Whether an existing volume satisfies a repeated CreateVolume: size within the range and the
+/// same parameters; otherwise `AlreadyExists` saying what differs.
+pub fn judge_existing(existing: &VolumeState, request: &CreateRequest) -> Result<(), VolumeError> {
+    let size = u64::try_from(existing.size).unwrap_or(0);
+    let stored = Parameters::parse(&existing.parameters, Origin::State)?;
+    let mismatch = |existing: String, wanted: String| VolumeError::Mismatch {
+        name: request.name.clone(),
+        existing,
+        wanted,
+    };
+    if size < request.required {
+        return Err(mismatch(
+            format!("size {size}"),
+            format!("required_bytes {}", request.required),
+        ));
+    }
+    if request.limit > 0 && size > request.limit {
+        return Err(mismatch(
+            format!("size {size}"),
+            format!("limit_bytes {}", request.limit),
+        ));
+    }
+    if !stored.compatible_with(&request.parameters) {
+        return Err(mismatch(
+            format!("parameters {:?}", existing.parameters),
+            format!("parameters {:?}", request.parameters.to_context()),
+        ));
+    }
+    Ok(())
+}
+
+/// Runs blocking file and device I/O without stalling the other requests on this worker.
+pub fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
+    }
+}
+
+/// This node's volumes.
+#[derive(Debug)]
+pub struct Volumes {
+    backend: Arc<dyn Backend>,
+    state: StateStore,
+    index: Mutex<BTreeMap<String, VolumeState>>,
+    locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    default_size: u64,
+    changes: watch::Sender<u64>,
+}
+
+impl Volumes {
+    /// Opens the state, repairs what a crash left and returns the volumes.
+    pub fn open(
+        backend: Arc<dyn Backend>,
+        state: StateStore,
+        default_size: u64,
+    ) -> Result<Self, VolumeError> {
+        let (changes, _) = watch::channel(0);
+        let volumes = Self {
+            backend,
+            state,
+            index: Mutex::new(BTreeMap::new()),
+            locks: Mutex::new(HashMap::new()),
+            default_size,
+            changes,
+        };
+        volumes.repair()?;
+        Ok(volumes)
+    }
+
+    fn index(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, VolumeState>> {
+        self.index.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Makes state and backend agree: state without a device is a create that crashed before
+    /// the device existed (or a delete after it was gone) and is dropped; a device without
+    /// state cannot come from a completed create (state is written first) and is deleted;
+    /// loop devices nothing mounts are detached.
+    fn repair(&self) -> Result<(), VolumeError> {
+        let mode = self.backend.mode().as_str();
+        let (stored, corrupt) = self.state.load_all()?;
+        for e in corrupt {
+            tracing::error!("{e}; the file is left for inspection and its volume ignored");
+        }
+        let mut index = BTreeMap::new();
+        for volume in stored {
+            let recorded = volume
+                .parameters
+                .get(parameters::DEVICE_MODE)
+                .map(String::as_str)
+                .unwrap_or(mode);
+            if recorded != mode {
+                tracing::warn!(
+                    id = volume.id,
+                    recorded,
+                    mode,
+                    "volume of another device mode kept as is"
+                );
+                index.insert(volume.id.clone(), volume);
+                continue;
+            }
+            let size = u64::try_from(volume.size).unwrap_or(0);
+            match self
+                .backend
+                .size_of(&volume.id)
+                .map_err(VolumeError::Backend)?
+            {
+                Some(actual) if actual == size => {
+                    index.insert(volume.id.clone(), volume);
+                }
+                Some(actual) => {
+                    // Allocation was interrupted: finish it, the create was not answered yet.
+                    tracing::info!(
+                        id = volume.id,
+                        actual,
+                        size,
+                        "repair: completing an interrupted allocation"
+                    );
+                    self.backend
+                        .create(&volume.id, size)
+                        .map_err(|e| VolumeError::backend(&volume.id, e))?;
+                    index.insert(volume.id.clone(), volume);
+                }
+                None if self.backend.adopt(&volume.id, size) => {
+                    index.insert(volume.id.clone(), volume);
+                }
+                None => {
+                    tracing::info!(
+                        id = volume.id,
+                        "repair: removing state of a volume without device"
+                    );
+                    self.state.remove(&volume.id)?;
+                }
+            }
+        }
+        for id in self.backend.list().map_err(VolumeError::Backend)? {
+            if !index.contains_key(&id) {
+                tracing::info!(id, "repair: deleting a device without state");
+                self.backend
+                    .delete(&id, true)
+                    .map_err(|e| VolumeError::backend(&id, e))?;
+            }
+        }
+        for released in self
+            .backend
+            .release_unused()
+            .map_err(VolumeError::Backend)?
+        {
+            tracing::info!(device = released, "repair: detached an unused loop device");
+        }
+        tracing::info!(volumes = index.len(), mode, "node state loaded");
+        *self.index() = index;
+        Ok(())
+    }
+
+    /// Serializes operations on one volume; different volumes proceed concurrently.
+    pub async fn lock(&self, id: &str) -> OwnedMutexGuard<()> {
+        let lock = {
+            let mut locks = self.locks.lock().unwrap_or_else(PoisonError::into_inner);
+            locks.entry(id.to_string()).or_default().clone()
+        };
+        lock.lock_owned().await
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
+    /// The stored volume `id`.
+    pub fn get(&self, id: &str) -> Option<VolumeState> {
+        self.index().get(id).cloned()
+    }
+
+    /// Every volume, sorted by ID.
+    pub fn list(&self) -> Vec<VolumeState> {
+        self.index().values().cloned().collect()
+    }
+
+    /// Current capacity.
+    pub fn capacity(&self) -> Result<Capacity, VolumeError> {
+        blocking(|| self.backend.capacity()).map_err(VolumeError::Backend)
+    }
+
+    /// A receiver that changes after every create and delete (for the capacity publisher).
+    pub fn changes(&self) -> watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+
+    fn changed(&self) {
+        self.changes.send_modify(|generation| *generation += 1);
+    }
+
+    /// CreateVolume: returns the existing matching volume or creates a new one; state is
+    /// written before the device exists and removed if creating the device fails.
+    pub async fn create(&self, request: CreateRequest) -> Result<VolumeState, VolumeError> {
+        let id = volume_id(&request.name);
+        let _guard = self.lock(&id).await;
+        if let Some(existing) = self.get(&id) {
+            let other = existing
+                .parameters
+                .get(parameters::NAME)
+                .cloned()
+                .unwrap_or_default();
+            if other != request.name {
+                return Err(VolumeError::Collision {
+                    id,
+                    name: request.name,
+                    other,
+                });
+            }
+            judge_existing(&existing, &request)?;
+            return Ok(existing);
+        }
+        let size = new_volume_size(
+            request.required,
+            request.limit,
+            self.default_size,
+            self.backend.alignment(),
+        )?;
+        let mut parameters = request.parameters.clone();
+        parameters.name = Some(request.name.clone());
+        parameters.device_mode = Some(self.backend.mode().as_str().to_string());
+        let volume = VolumeState {
+            id: id.clone(),
+            size: i64::try_from(size)
+                .map_err(|_| VolumeError::OutOfRange(format!("{size} bytes")))?,
+            parameters: parameters.to_context(),
+        };
+        blocking(|| {
+            // Fail fast without touching the state directory when it cannot fit.
+            let capacity = self.backend.capacity().map_err(VolumeError::Backend)?;
+            if size > capacity.max_volume_size() {
+                return Err(VolumeError::backend(
+                    &request.name,
+                    crate::backend::BackendError::NoSpace {
+                        need: size,
+                        largest: capacity.max_volume_size(),
+                        free: capacity.available(),
+                    },
+                ));
+            }
+            self.state.write(&volume)?;
+            crate::faults::point("after-state-write");
+            if let Err(e) = self.backend.create(&id, size) {
+                if let Err(cleanup) = self.state.remove(&id) {
+                    tracing::error!(id, "removing state after a failed create: {cleanup}");
+                }
+                return Err(VolumeError::backend(&request.name, e));
+            }
+            crate::faults::point("after-allocation");
+            Ok(())
+        })?;
+        self.index().insert(id.clone(), volume.clone());
+        self.changed();
+        tracing::info!(id, name = request.name, size, "volume created");
+        Ok(volume)
+    }
+
+    /// DeleteVolume: an unknown ID succeeds. The device is removed (scrubbed per `eraseafter`)
+    /// before the state, so a crash in between leaves state that start-up repair drops.
+    pub async fn delete(&self, id: &str) -> Result<(), VolumeError> {
+        let _guard = self.lock(id).await;
+        self.delete_locked(id)
+    }
+
+    /// [`Volumes::delete`] for a caller that holds the volume's lock.
+    pub fn delete_locked(&self, id: &str) -> Result<(), VolumeError> {
+        let Some(volume) = self.get(id) else {
+            return Ok(());
+        };
+        let stored = Parameters::parse(&volume.parameters, Origin::State)?;
+        let mode = stored
+            .device_mode
+            .as_deref()
+            .unwrap_or(self.backend.mode().as_str());
+        if mode != self.backend.mode().as_str() {
+            return Err(VolumeError::Precondition(format!(
+                "volume {id} lives in device mode {mode}, this driver runs {}",
+                self.backend.mode().as_str()
+            )));
+        }
+        blocking(|| {
+            self.backend
+                .delete(id, stored.erase_after())
+                .map_err(|e| VolumeError::backend(id, e))?;
+            crate::faults::point("before-state-removal");
+            self.state.remove(id).map_err(VolumeError::from)
+        })?;
+        self.index().remove(id);
+        self.changed();
+        tracing::info!(id, "volume deleted");
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fake::{FAKE_ALIGNMENT, Fake};
+
+    const MI: u64 = 1 << 20;
+    const A: u64 = 4 * MI;
+
+    #[test]
+    fn new_volume_size_table() {
+        for (required, limit, want) in [
+            (0, 0, Ok(8 * MI)),
+            (1, 0, Ok(A)),
+            (A, 0, Ok(A)),
+            (A + 1, 0, Ok(2 * A)),
+            (A + 1, 2 * A, Ok(2 * A)),
+            (A + 1, A + 2, Err("above limit_bytes")),
+            (2 * A, A, Err("exceeds limit_bytes")),
+            (0, A, Ok(A)),
+            (0, 3 * MI, Err("above limit_bytes")),
+            (u64::MAX, 0, Err("cannot be aligned")),
+        ] {
+            let got = new_volume_size(required, limit, 8 * MI, A);
+            match (got, want) {
+                (Ok(g), Ok(w)) => assert_eq!(g, w, "{required} {limit}"),
+                (Err(e), Err(w)) => {
+                    assert_eq!(e.code(), tonic::Code::OutOfRange);
+                    assert!(e.to_string().contains(w), "{required} {limit}: {e}");
+                }
+                (g, w) => panic!("{required} {limit}: got {g:?}, want {w:?}"),
+            }
+        }
+    }
+
+    fn existing(size: i64, params: &[(&str, &str)]) -> VolumeState {
+        VolumeState {
+            id: "id".into(),
+            size,
+            parameters: params
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        }
+    }
+
+    fn request(required: u64, limit: u64, parameters: Parameters) -> CreateRequest {
+        CreateRequest {
+            name: "v".into(),
+            required,
+            limit,
+            parameters,
+        }
+    }
+
+    #[test]
+    fn judge_existing_table() {
+        let no_erase = Parameters {
+            erase_after: Some(false),
+            ..Default::default()
+        };
+        for (name, volume, req, ok) in [
+            (
+                "same size",
+                existing(8, &[("name", "v")]),
+                request(8, 0, Parameters::default()),
+                true,
+            ),
+            (
+                "larger than required",
+                existing(8, &[]),
+                request(4, 0, Parameters::default()),
+                true,
+            ),
+            (
+                "smaller than required",
+                existing(8, &[]),
+                request(12, 0, Parameters::default()),
+                false,
+            ),
+            (
+                "above limit",
+                existing(8, &[]),
+                request(4, 6, Parameters::default()),
+                false,
+            ),
+            (
+                "within limit",
+                existing(8, &[]),
+                request(4, 8, Parameters::default()),
+                true,
+            ),
+            (
+                "other parameters",
+                existing(8, &[("eraseafter", "true")]),
+                request(8, 0, no_erase.clone()),
+                false,
+            ),
+            (
+                "same explicit parameters",
+                existing(8, &[("eraseafter", "false")]),
+                request(8, 0, no_erase),
+                true,
+            ),
+        ] {
+            let got = judge_existing(&volume, &req);
+            assert_eq!(got.is_ok(), ok, "{name}: {got:?}");
+            if let Err(e) = got {
+                assert_eq!(e.code(), tonic::Code::AlreadyExists, "{name}");
+            }
+        }
+    }
+
+    fn volumes(dir: &std::path::Path, size: u64) -> Volumes {
+        Volumes::open(
+            Arc::new(Fake::new(size)),
+            StateStore::open(dir).expect("state"),
+            FAKE_ALIGNMENT,
+        )
+        .expect("open")
+    }
+
+    #[tokio::test]
+    async fn create_is_idempotent_and_state_survives_restart() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let v = volumes(dir.path(), 16 * MI);
+        let req = request(MI, 0, Parameters::default());
+        let first = v.create(req.clone()).await.expect("create");
+        assert_eq!(first.size, A as i64);
+        assert_eq!(first.id, volume_id("v"));
+        assert_eq!(
+            first.parameters.get("deviceMode").map(String::as_str),
+            Some("fake")
+        );
+        assert_eq!(first.parameters.get("name").map(String::as_str), Some("v"));
+        assert_eq!(v.create(req).await.expect("again"), first);
+        let mut changes = v.changes();
+        assert!(!changes.has_changed().expect("open"));
+        drop(v);
+        let reopened = volumes(dir.path(), 16 * MI);
+        assert_eq!(
+            reopened.get(&first.id),
+            Some(first.clone()),
+            "fake adopts state"
+        );
+        reopened.delete(&first.id).await.expect("delete");
+        reopened.delete(&first.id).await.expect("delete unknown");
+        assert!(reopened.list().is_empty());
+        changes = reopened.changes();
+        let _ = changes.borrow_and_update();
+    }
+
+    #[tokio::test]
+    async fn no_space_leaves_no_state() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let v = volumes(dir.path(), 8 * MI);
+        let err = v
+            .create(request(12 * MI, 0, Parameters::default()))
+            .await
+            .expect_err("too big");
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted);
+        assert!(err.to_string().contains("12582912"), "{err}");
+        assert!(
+            StateStore::open(dir.path())
+                .expect("state")
+                .load_all()
+                .expect("load")
+                .0
+                .is_empty()
+        );
+    }
+}
