@@ -20,11 +20,20 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Mode {
     /// Per-node CSI driver (DaemonSet on every PMEM node).
-    Node(Common<10010>),
+    Node(NodeCommand),
     /// Cluster-level controllers (Deployment).
     Controller(Common<10011>),
     /// Scheduler extender beside kube-scheduler (host-network DaemonSet on control-plane nodes).
     Extender(Common<10012>),
+}
+
+/// `pmem-csi node`.
+#[derive(Args, Debug)]
+struct NodeCommand {
+    #[command(flatten)]
+    common: Common<10010>,
+    #[command(flatten)]
+    driver: driver::NodeArgs,
 }
 
 /// Flags every mode takes; the admin port default differs per mode so that modes sharing a
@@ -44,7 +53,7 @@ struct Common<const PORT: u16> {
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let (mode, admin_address, log_format) = match &cli.mode {
-        Mode::Node(c) => ("node", c.admin_address, c.log_format),
+        Mode::Node(c) => ("node", c.common.admin_address, c.common.log_format),
         Mode::Controller(c) => ("controller", c.admin_address, c.log_format),
         Mode::Extender(c) => ("extender", c.admin_address, c.log_format),
     };
@@ -53,15 +62,38 @@ async fn main() -> anyhow::Result<()> {
 
     let shutdown = CancellationToken::new();
     let readiness = Readiness::default();
-    let admin = AdminServer::bind(admin_address, Registry::default(), readiness)
+    let mut registry = Registry::default();
+    let mut work = tokio::task::JoinSet::new();
+    if let Mode::Node(c) = &cli.mode {
+        // Validate and repair before anything listens: a node that cannot serve must not
+        // look alive.
+        let config = c.driver.validate()?;
+        let serving = readiness.register("csi-server");
+        let node = driver::NodeDriver::start(config, &mut registry)?;
+        serving.set(true);
+        let token = shutdown.clone();
+        work.spawn(async move { node.serve(token).await.map_err(anyhow::Error::from) });
+    }
+    let admin = AdminServer::bind(admin_address, registry, readiness)
         .await
         .context("starting the admin server")?;
-    let server = tokio::spawn(admin.serve(shutdown.clone()));
+    let token = shutdown.clone();
+    work.spawn(async move { admin.serve(token).await.map_err(anyhow::Error::from) });
 
-    wait_for_termination().await?;
+    // The first of: a signal, or a server ending by itself (an error, or a bug).
+    let early = tokio::select! {
+        signal = wait_for_termination() => { signal?; None }
+        ended = work.join_next() => ended,
+    };
     tracing::info!(mode, "terminating");
     shutdown.cancel();
-    server.await.context("admin server task")??;
+    if let Some(ended) = early {
+        ended.context("server task")??;
+        anyhow::bail!("a server stopped unexpectedly");
+    }
+    while let Some(ended) = work.join_next().await {
+        ended.context("server task")??;
+    }
     Ok(())
 }
 

@@ -160,6 +160,12 @@ impl From<VolumeError> for Status {
     }
 }
 
+impl From<ParameterError> for Status {
+    fn from(e: ParameterError) -> Self {
+        VolumeError::from(e).into()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

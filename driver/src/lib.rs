@@ -2,15 +2,152 @@
 //! socket, the device backends, and crash-safe node state in PMEM-CSI 1.0's format.
 
 pub mod backend;
+pub mod capability;
+pub mod config;
+pub mod controller;
+pub mod csi;
 pub mod emulated;
 pub mod error;
 pub mod fake;
 pub mod faults;
 pub mod filesystem;
+pub mod identity;
 pub mod loopdev;
+pub mod metrics;
 pub mod mounts;
+pub mod node;
 pub mod parameters;
 pub mod quantity;
+pub mod server;
 pub mod state;
 pub mod volume_id;
 pub mod volumes;
+
+use std::sync::Arc;
+
+use prometheus_client::registry::Registry;
+use tokio_util::sync::CancellationToken;
+
+pub use config::{ConfigError, NodeArgs, NodeConfig};
+
+/// Why the node driver could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum DriverError {
+    /// Flags.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// Backend set-up.
+    #[error("setting up the {mode} backend: {source}")]
+    Backend {
+        /// The mode.
+        mode: &'static str,
+        /// Why.
+        source: backend::BackendError,
+    },
+    /// State or repair.
+    #[error("loading node state from {dir}: {source}")]
+    State {
+        /// State directory.
+        dir: std::path::PathBuf,
+        /// Why.
+        source: Box<error::VolumeError>,
+    },
+    /// The gRPC server.
+    #[error(transparent)]
+    Server(#[from] server::ServerError),
+}
+
+/// A node driver with its state loaded and repaired, its socket bound, ready to serve.
+pub struct NodeDriver {
+    config: NodeConfig,
+    volumes: Arc<volumes::Volumes>,
+    metrics: metrics::CsiMetrics,
+    listener: tokio::net::UnixListener,
+}
+
+impl std::fmt::Debug for NodeDriver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeDriver")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl NodeDriver {
+    /// Opens the backend and state (repairing what a crash left), registers the metrics in
+    /// `registry` and binds the socket.
+    pub fn start(config: NodeConfig, registry: &mut Registry) -> Result<Self, DriverError> {
+        let backend: Arc<dyn backend::Backend> =
+            match config.device_mode {
+                backend::DeviceMode::Emulated => {
+                    let dir = config.emulated_dir.clone().unwrap_or_default();
+                    Arc::new(emulated::Emulated::new(dir, config.emulated_size).map_err(
+                        |source| DriverError::Backend {
+                            mode: "emulated",
+                            source,
+                        },
+                    )?)
+                }
+                backend::DeviceMode::Fake => Arc::new(fake::Fake::new(config.emulated_size)),
+            };
+        let state_error = |source: error::VolumeError| DriverError::State {
+            dir: config.state_dir.clone(),
+            source: Box::new(source),
+        };
+        let state = state::StateStore::open(&config.state_dir)
+            .map_err(|e| state_error(error::VolumeError::from(e)))?;
+        let volumes = Arc::new(
+            volumes::Volumes::open(backend, state, config.default_volume_size)
+                .map_err(state_error)?,
+        );
+        let metrics = metrics::CsiMetrics::register(
+            registry,
+            &config.driver_name,
+            &config.node_id,
+            volumes.clone(),
+        );
+        let listener = server::bind(&config.socket)?;
+        Ok(Self {
+            config,
+            volumes,
+            metrics,
+            listener,
+        })
+    }
+
+    /// The node's volumes (for the capacity publisher).
+    pub fn volumes(&self) -> &Arc<volumes::Volumes> {
+        &self.volumes
+    }
+
+    /// Serves CSI until `shutdown`, then lets in-flight RPCs finish.
+    pub async fn serve(self, shutdown: CancellationToken) -> Result<(), DriverError> {
+        let topology_key = format!("{}/node", self.config.driver_name);
+        let identity = identity::IdentityService {
+            name: self.config.driver_name.clone(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+        };
+        let controller = controller::ControllerService {
+            volumes: self.volumes.clone(),
+            node_id: self.config.node_id.clone(),
+            topology_key: topology_key.clone(),
+        };
+        let node = node::NodeService {
+            volumes: self.volumes.clone(),
+            node_id: self.config.node_id.clone(),
+            topology_key,
+            default_fs: self.config.default_fs_type,
+        };
+        server::serve(
+            self.listener,
+            &self.config.socket,
+            identity,
+            controller,
+            node,
+            self.metrics,
+            shutdown,
+        )
+        .await
+        .map_err(DriverError::from)
+    }
+}

@@ -1,0 +1,249 @@
+//! `pmem-csi node` flags and their validation into one [`NodeConfig`].
+
+use std::path::PathBuf;
+
+use crate::backend::DeviceMode;
+use crate::filesystem::FsType;
+use crate::quantity;
+
+/// Flags of `pmem-csi node`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct NodeArgs {
+    /// CSI endpoint, `unix:///path/to/socket`.
+    #[arg(long, env = "CSI_ENDPOINT", default_value = "unix:///csi/csi.sock")]
+    pub endpoint: String,
+
+    /// This node's name (the topology value and the node ID of NodeGetInfo).
+    #[arg(long, env = "NODE_NAME")]
+    pub node_id: Option<String>,
+
+    /// CSI driver name.
+    #[arg(
+        long,
+        env = "PMEM_CSI_DRIVER_NAME",
+        default_value = "pmem-csi.intel.com"
+    )]
+    pub driver_name: String,
+
+    /// Where volumes live.
+    #[arg(long, value_enum)]
+    pub device_mode: Option<DeviceMode>,
+
+    /// Node state directory (default `/var/lib/<driver-name>`).
+    #[arg(long)]
+    pub state_dir: Option<PathBuf>,
+
+    /// Directory of the emulated region (emulated mode).
+    #[arg(long)]
+    pub emulated_dir: Option<PathBuf>,
+
+    /// Size of the emulated (or fake) region, a quantity such as `4Gi`.
+    #[arg(long)]
+    pub emulated_size: Option<String>,
+
+    /// Size of a volume created without a capacity range, a quantity.
+    #[arg(long, default_value = "1Gi")]
+    pub default_volume_size: String,
+
+    /// File system when a volume capability names none.
+    #[arg(long, value_enum, default_value_t = FsType::Ext4)]
+    pub default_fs_type: FsType,
+}
+
+/// Validated node configuration.
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    /// Socket path.
+    pub socket: PathBuf,
+    /// Node name.
+    pub node_id: String,
+    /// Driver name.
+    pub driver_name: String,
+    /// Backend.
+    pub device_mode: DeviceMode,
+    /// State directory.
+    pub state_dir: PathBuf,
+    /// Emulated region directory (emulated mode only).
+    pub emulated_dir: Option<PathBuf>,
+    /// Region size in bytes (emulated and fake).
+    pub emulated_size: u64,
+    /// Default volume size in bytes.
+    pub default_volume_size: u64,
+    /// Default file system.
+    pub default_fs_type: FsType,
+}
+
+/// A flag is missing, malformed or does not fit the mode.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("--{flag}: {reason}")]
+pub struct ConfigError {
+    /// The flag.
+    pub flag: &'static str,
+    /// Why.
+    pub reason: String,
+}
+
+fn invalid(flag: &'static str, reason: impl Into<String>) -> ConfigError {
+    ConfigError {
+        flag,
+        reason: reason.into(),
+    }
+}
+
+impl NodeArgs {
+    /// Validates the flags.
+    pub fn validate(&self) -> Result<NodeConfig, ConfigError> {
+        let socket = self
+            .endpoint
+            .strip_prefix("unix://")
+            .filter(|p| p.starts_with('/'))
+            .map(PathBuf::from)
+            .ok_or_else(|| {
+                invalid(
+                    "endpoint",
+                    format!("{:?} is not unix:///absolute/path", self.endpoint),
+                )
+            })?;
+        let node_id = self
+            .node_id
+            .clone()
+            .filter(|n| !n.is_empty())
+            .ok_or_else(|| invalid("node-id", "required (or set NODE_NAME)"))?;
+        if self.driver_name.is_empty() || self.driver_name.len() > 63 {
+            return Err(invalid("driver-name", "must be 1 to 63 characters"));
+        }
+        let device_mode = self
+            .device_mode
+            .ok_or_else(|| invalid("device-mode", "required (emulated or fake)"))?;
+        let size = |flag: &'static str, value: &str| {
+            quantity::parse_bytes(value).map_err(|e| invalid(flag, e.to_string()))
+        };
+        let emulated_size = match &self.emulated_size {
+            Some(s) => size("emulated-size", s)?,
+            None => {
+                return Err(invalid(
+                    "emulated-size",
+                    format!("required with --device-mode={}", device_mode.as_str()),
+                ));
+            }
+        };
+        if emulated_size == 0 {
+            return Err(invalid("emulated-size", "must be larger than 0"));
+        }
+        let emulated_dir = match (device_mode, &self.emulated_dir) {
+            (DeviceMode::Emulated, Some(dir)) => Some(dir.clone()),
+            (DeviceMode::Emulated, None) => {
+                return Err(invalid(
+                    "emulated-dir",
+                    "required with --device-mode=emulated",
+                ));
+            }
+            (DeviceMode::Fake, Some(_)) => {
+                return Err(invalid(
+                    "emulated-dir",
+                    "only used with --device-mode=emulated",
+                ));
+            }
+            (DeviceMode::Fake, None) => None,
+        };
+        let default_volume_size = size("default-volume-size", &self.default_volume_size)?;
+        if default_volume_size == 0 {
+            return Err(invalid("default-volume-size", "must be larger than 0"));
+        }
+        Ok(NodeConfig {
+            socket,
+            node_id,
+            driver_name: self.driver_name.clone(),
+            device_mode,
+            state_dir: self
+                .state_dir
+                .clone()
+                .unwrap_or_else(|| PathBuf::from("/var/lib").join(&self.driver_name)),
+            emulated_dir,
+            emulated_size,
+            default_volume_size,
+            default_fs_type: self.default_fs_type,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args() -> NodeArgs {
+        NodeArgs {
+            endpoint: "unix:///tmp/x.sock".into(),
+            node_id: Some("node-1".into()),
+            driver_name: "pmem-csi.intel.com".into(),
+            device_mode: Some(DeviceMode::Emulated),
+            state_dir: None,
+            emulated_dir: Some("/tmp/pmem".into()),
+            emulated_size: Some("1Gi".into()),
+            default_volume_size: "64Mi".into(),
+            default_fs_type: FsType::Ext4,
+        }
+    }
+
+    #[test]
+    fn validate_table() {
+        type Edit = fn(&mut NodeArgs);
+        let cases: [(&str, Edit, Option<&str>); 10] = [
+            ("valid", |_| {}, None),
+            (
+                "tcp endpoint",
+                |a| a.endpoint = "tcp://1.2.3.4:5".into(),
+                Some("endpoint"),
+            ),
+            (
+                "relative socket",
+                |a| a.endpoint = "unix://x.sock".into(),
+                Some("endpoint"),
+            ),
+            ("no node", |a| a.node_id = None, Some("node-id")),
+            ("no mode", |a| a.device_mode = None, Some("device-mode")),
+            ("no size", |a| a.emulated_size = None, Some("emulated-size")),
+            (
+                "bad size",
+                |a| a.emulated_size = Some("lots".into()),
+                Some("emulated-size"),
+            ),
+            (
+                "emulated without dir",
+                |a| a.emulated_dir = None,
+                Some("emulated-dir"),
+            ),
+            (
+                "fake with dir",
+                |a| a.device_mode = Some(DeviceMode::Fake),
+                Some("emulated-dir"),
+            ),
+            (
+                "zero default size",
+                |a| a.default_volume_size = "0".into(),
+                Some("default-volume-size"),
+            ),
+        ];
+        for (name, edit, flag) in cases {
+            let mut a = args();
+            edit(&mut a);
+            match (a.validate(), flag) {
+                (Ok(_), None) => {}
+                (Err(e), Some(flag)) => {
+                    assert_eq!(e.flag, flag, "{name}");
+                    assert!(
+                        e.to_string().starts_with(&format!("--{flag}: ")),
+                        "{name}: {e}"
+                    );
+                }
+                (got, want) => panic!("{name}: got {got:?}, want error on {want:?}"),
+            }
+        }
+        let config = args().validate().expect("valid");
+        assert_eq!(
+            config.state_dir,
+            PathBuf::from("/var/lib/pmem-csi.intel.com")
+        );
+        assert_eq!(config.socket, PathBuf::from("/tmp/x.sock"));
+    }
+}
