@@ -3,6 +3,7 @@
 
 pub mod backend;
 pub mod capability;
+pub mod client;
 pub mod config;
 pub mod controller;
 pub mod csi;

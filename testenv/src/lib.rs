@@ -6,6 +6,7 @@
 pub mod control_plane;
 pub mod kubeconfig;
 pub mod leftovers;
+pub mod node_driver;
 pub mod nodes;
 pub mod pki;
 pub mod ports;
