@@ -1,0 +1,592 @@
+//! Component tests of `pmem-csi node` over its real socket, with real loop devices, file
+//! systems and mounts: the volume life cycle, raw block, xfs, inline ephemeral volumes,
+//! read-only publish, bad input, and PMEM-CSI 1.0 compatibility.
+
+use std::collections::HashMap;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+use driver::csi::controller_client::ControllerClient;
+use driver::csi::node_client::NodeClient;
+use driver::csi::volume_capability::{
+    AccessMode, AccessType, BlockVolume, MountVolume, access_mode::Mode,
+};
+use driver::csi::*;
+use testenv::node_driver::{self, NodeDriverDirs};
+use testenv::process::Component;
+use testenv::{Leftovers, ProcessGroup};
+use tonic::Code;
+use tonic::transport::Channel;
+
+const MI: i64 = 1 << 20;
+
+struct Harness {
+    root: tempfile::TempDir,
+    dirs: NodeDriverDirs,
+    driver: Option<Component>,
+    controller: ControllerClient<Channel>,
+    node: NodeClient<Channel>,
+    _group: ProcessGroup,
+}
+
+impl Harness {
+    async fn start(extra: &[&str]) -> Self {
+        Self::start_with(extra, |_| {}).await
+    }
+
+    /// Starts a driver after `prepare` has seen the (empty) directories.
+    async fn start_with(extra: &[&str], prepare: impl FnOnce(&NodeDriverDirs)) -> Self {
+        let root = tempfile::tempdir().expect("tempdir");
+        let dirs = NodeDriverDirs::under(root.path());
+        prepare(&dirs);
+        let group = ProcessGroup::new().expect("group");
+        let mut args = node_driver::emulated_args("node-1", &dirs, "1Gi");
+        args.extend(extra.iter().map(|a| a.to_string()));
+        let driver = node_driver::start(
+            Path::new(env!("CARGO_BIN_EXE_pmem-csi")),
+            args,
+            &dirs,
+            &group,
+            &[],
+        )
+        .await
+        .expect("driver starts");
+        let channel = driver::client::connect(&dirs.socket)
+            .await
+            .expect("connect");
+        Self {
+            root,
+            dirs,
+            driver: Some(driver),
+            controller: ControllerClient::new(channel.clone()),
+            node: NodeClient::new(channel),
+            _group: group,
+        }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.root.path().join(name)
+    }
+
+    async fn create(&mut self, name: &str, size: i64, parameters: &[(&str, &str)]) -> Volume {
+        self.controller
+            .create_volume(CreateVolumeRequest {
+                name: name.into(),
+                capacity_range: Some(CapacityRange {
+                    required_bytes: size,
+                    limit_bytes: 0,
+                }),
+                volume_capabilities: vec![mount("")],
+                parameters: params(parameters),
+                ..Default::default()
+            })
+            .await
+            .expect("create")
+            .into_inner()
+            .volume
+            .expect("volume")
+    }
+
+    async fn stage(&mut self, id: &str, capability: VolumeCapability) -> Result<(), tonic::Status> {
+        let staging = self.path("staging");
+        self.node
+            .node_stage_volume(NodeStageVolumeRequest {
+                volume_id: id.into(),
+                staging_target_path: staging.display().to_string(),
+                volume_capability: Some(capability),
+                ..Default::default()
+            })
+            .await
+            .map(|_| ())
+    }
+
+    async fn unstage(&mut self, id: &str) {
+        let staging = self.path("staging");
+        self.node
+            .node_unstage_volume(NodeUnstageVolumeRequest {
+                volume_id: id.into(),
+                staging_target_path: staging.display().to_string(),
+            })
+            .await
+            .expect("unstage");
+    }
+
+    async fn publish(
+        &mut self,
+        id: &str,
+        target: &Path,
+        capability: VolumeCapability,
+        readonly: bool,
+        context: &[(&str, &str)],
+    ) -> Result<(), tonic::Status> {
+        let staging = self.path("staging");
+        self.node
+            .node_publish_volume(NodePublishVolumeRequest {
+                volume_id: id.into(),
+                staging_target_path: staging.display().to_string(),
+                target_path: target.display().to_string(),
+                volume_capability: Some(capability),
+                readonly,
+                volume_context: params(context),
+                ..Default::default()
+            })
+            .await
+            .map(|_| ())
+    }
+
+    async fn unpublish(&mut self, id: &str, target: &Path) {
+        self.node
+            .node_unpublish_volume(NodeUnpublishVolumeRequest {
+                volume_id: id.into(),
+                target_path: target.display().to_string(),
+            })
+            .await
+            .expect("unpublish");
+    }
+
+    async fn delete(&mut self, id: &str) {
+        self.controller
+            .delete_volume(DeleteVolumeRequest {
+                volume_id: id.into(),
+                ..Default::default()
+            })
+            .await
+            .expect("delete");
+    }
+
+    async fn volume_ids(&mut self) -> Vec<String> {
+        self.controller
+            .list_volumes(ListVolumesRequest::default())
+            .await
+            .expect("list")
+            .into_inner()
+            .entries
+            .into_iter()
+            .filter_map(|e| e.volume.map(|v| v.volume_id))
+            .collect()
+    }
+
+    /// Stops the driver and checks that no loop device or mount of this test remains.
+    async fn finish(mut self) {
+        if let Some(driver) = self.driver.take() {
+            driver.stop().await;
+        }
+        let leftovers = Leftovers::new(i32::MAX, self.root.path().to_path_buf()).find();
+        assert!(leftovers.is_empty(), "left behind: {leftovers:?}");
+    }
+}
+
+fn params(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+fn mount(fs: &str) -> VolumeCapability {
+    VolumeCapability {
+        access_mode: Some(AccessMode {
+            mode: Mode::SingleNodeWriter as i32,
+        }),
+        access_type: Some(AccessType::Mount(MountVolume {
+            fs_type: fs.into(),
+            ..Default::default()
+        })),
+    }
+}
+
+fn block() -> VolumeCapability {
+    VolumeCapability {
+        access_mode: Some(AccessMode {
+            mode: Mode::SingleNodeWriter as i32,
+        }),
+        access_type: Some(AccessType::Block(BlockVolume {})),
+    }
+}
+
+fn mount_of(path: &Path) -> Option<driver::mounts::MountInfo> {
+    driver::mounts::at(path).expect("mountinfo")
+}
+
+async fn life_cycle(fs: &str, size: i64) {
+    let mut h = Harness::start(&[]).await;
+    let volume = h.create("life", size, &[]).await;
+    assert_eq!(volume.capacity_bytes, size);
+    let id = volume.volume_id;
+    let target = h.path("target");
+    h.stage(&id, mount(fs)).await.expect("stage");
+    h.stage(&id, mount(fs)).await.expect("stage is idempotent");
+    let staged = mount_of(&h.path("staging")).expect("staging mounted");
+    assert_eq!(staged.fs_type, fs);
+    assert!(staged.source.starts_with("/dev/loop"), "{staged:?}");
+    assert!(
+        !staged.super_options.iter().any(|o| o.starts_with("dax")),
+        "loop devices never get dax"
+    );
+    h.publish(&id, &target, mount(fs), false, &[])
+        .await
+        .expect("publish");
+    h.publish(&id, &target, mount(fs), false, &[])
+        .await
+        .expect("publish is idempotent");
+    std::fs::write(target.join("data"), b"persistent memory")
+        .expect("write through the pod's mount");
+    h.unpublish(&id, &target).await;
+    assert!(!target.exists(), "unpublish removes the target");
+    h.unstage(&id).await;
+    h.unstage(&id).await;
+    assert!(mount_of(&h.path("staging")).is_none());
+    assert!(
+        driver::loopdev::attached()
+            .iter()
+            .all(|(_, b)| !b.starts_with(&h.dirs.region)),
+        "loop detached"
+    );
+
+    h.stage(&id, mount(fs)).await.expect("stage again");
+    h.publish(&id, &target, mount(fs), false, &[])
+        .await
+        .expect("publish again");
+    assert_eq!(
+        std::fs::read(target.join("data")).expect("read back"),
+        b"persistent memory"
+    );
+    h.unpublish(&id, &target).await;
+    h.unstage(&id).await;
+    h.delete(&id).await;
+    h.delete(&id).await;
+    assert!(h.volume_ids().await.is_empty());
+    h.finish().await;
+}
+
+#[tokio::test]
+async fn ext4_life_cycle_keeps_data_across_restaging() {
+    life_cycle("ext4", 64 * MI).await;
+}
+
+#[tokio::test]
+async fn xfs_life_cycle_keeps_data_across_restaging() {
+    life_cycle("xfs", 320 * MI).await;
+}
+
+#[tokio::test]
+async fn raw_block_volume_is_the_device() {
+    let mut h = Harness::start(&[]).await;
+    let id = h.create("raw", 8 * MI, &[]).await.volume_id;
+    h.stage(&id, block()).await.expect("stage block");
+    let target = h.path("block-target");
+    h.publish(&id, &target, block(), false, &[])
+        .await
+        .expect("publish block");
+    assert!(
+        mount_of(&target).is_some_and(|m| m.fs_type == "devtmpfs"),
+        "device node bound on the target"
+    );
+    {
+        let mut device = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&target)
+            .expect("open device");
+        device.seek(SeekFrom::Start(4 * MI as u64)).expect("seek");
+        device.write_all(b"raw bytes").expect("write");
+        device.sync_all().expect("sync");
+        device.seek(SeekFrom::Start(4 * MI as u64)).expect("seek");
+        let mut back = [0u8; 9];
+        device.read_exact(&mut back).expect("read");
+        assert_eq!(&back, b"raw bytes");
+        assert_eq!(device.seek(SeekFrom::End(0)).expect("size"), 8 * MI as u64);
+    }
+    let stats = h
+        .node
+        .node_get_volume_stats(NodeGetVolumeStatsRequest {
+            volume_id: id.clone(),
+            volume_path: target.display().to_string(),
+            ..Default::default()
+        })
+        .await
+        .expect("stats")
+        .into_inner();
+    assert_eq!(stats.usage.len(), 1, "block volumes report bytes only");
+    assert_eq!(stats.usage[0].total, 8 * MI);
+    h.unpublish(&id, &target).await;
+    assert!(!target.exists());
+    h.unstage(&id).await;
+    h.delete(&id).await;
+    h.finish().await;
+}
+
+#[tokio::test]
+async fn inline_ephemeral_volume_lives_from_publish_to_unpublish() {
+    let mut h = Harness::start(&[]).await;
+    let handle = "csi-5b2b0a3c4d1e6f708192a3b4c5d6e7f8091a2b3c4d5e6f708192a3b4c5d6e7f8";
+    let target = h.path("inline");
+    let context = [
+        ("csi.storage.k8s.io/ephemeral", "true"),
+        ("csi.storage.k8s.io/pod.name", "app"),
+        ("csi.storage.k8s.io/pod.namespace", "default"),
+        ("size", "16Mi"),
+        ("eraseafter", "false"),
+    ];
+    h.publish(handle, &target, mount(""), false, &context)
+        .await
+        .expect("publish inline");
+    h.publish(handle, &target, mount(""), false, &context)
+        .await
+        .expect("idempotent");
+    assert_eq!(
+        mount_of(&target).map(|m| m.fs_type),
+        Some("ext4".to_string())
+    );
+    std::fs::write(target.join("scratch"), b"x").expect("write");
+    assert_eq!(
+        h.volume_ids().await,
+        vec![driver::volume_id::volume_id(handle)]
+    );
+    h.unpublish(handle, &target).await;
+    assert!(
+        h.volume_ids().await.is_empty(),
+        "unpublish deletes the inline volume"
+    );
+    h.unpublish(handle, &target).await;
+    let err = h
+        .publish(
+            handle,
+            &target,
+            mount(""),
+            false,
+            &[("csi.storage.k8s.io/ephemeral", "true")],
+        )
+        .await
+        .expect_err("size is required");
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("size"), "{}", err.message());
+    assert!(h.volume_ids().await.is_empty());
+    h.finish().await;
+}
+
+#[tokio::test]
+async fn read_only_publish_refuses_writes() {
+    let mut h = Harness::start(&[]).await;
+    let id = h.create("ro", 16 * MI, &[]).await.volume_id;
+    h.stage(&id, mount("ext4")).await.expect("stage");
+    let target = h.path("ro-target");
+    h.publish(&id, &target, mount("ext4"), true, &[])
+        .await
+        .expect("publish ro");
+    assert!(mount_of(&target).is_some_and(|m| m.read_only()));
+    let err = std::fs::write(target.join("nope"), b"x").expect_err("read-only");
+    assert_eq!(err.raw_os_error(), Some(30), "EROFS, got {err}");
+    let conflict = h
+        .publish(&id, &target, mount("ext4"), false, &[])
+        .await
+        .expect_err("rw over ro");
+    assert_eq!(conflict.code(), Code::AlreadyExists);
+    h.unpublish(&id, &target).await;
+    h.unstage(&id).await;
+    h.delete(&id).await;
+    h.finish().await;
+}
+
+#[tokio::test]
+async fn bad_input_gets_specific_errors() {
+    let mut h = Harness::start(&[]).await;
+    let id = h.create("good", 8 * MI, &[]).await.volume_id;
+    let file_target = h.path("a-file");
+    std::fs::write(&file_target, b"").expect("file");
+    h.stage(&id, mount("ext4")).await.expect("stage");
+
+    let create = |name: &str, size: i64, caps: Vec<VolumeCapability>, p: &[(&str, &str)]| {
+        CreateVolumeRequest {
+            name: name.into(),
+            capacity_range: Some(CapacityRange {
+                required_bytes: size,
+                limit_bytes: 0,
+            }),
+            volume_capabilities: caps,
+            parameters: params(p),
+            ..Default::default()
+        }
+    };
+    let mut c = h.controller.clone();
+    let cases: Vec<(&str, Result<(), tonic::Status>, Code, &str)> = vec![
+        (
+            "unknown parameter",
+            c.create_volume(create("v1", MI, vec![mount("")], &[("foo", "bar")]))
+                .await
+                .map(|_| ()),
+            Code::InvalidArgument,
+            "\"foo\"",
+        ),
+        (
+            "kata containers",
+            c.create_volume(create(
+                "v2",
+                MI,
+                vec![mount("")],
+                &[("kataContainers", "true")],
+            ))
+            .await
+            .map(|_| ()),
+            Code::InvalidArgument,
+            "Kata Containers volumes are not supported",
+        ),
+        (
+            "absurd size",
+            c.create_volume(create("v3", 1 << 50, vec![mount("")], &[]))
+                .await
+                .map(|_| ()),
+            Code::ResourceExhausted,
+            "1125899906842624",
+        ),
+        (
+            "missing capability",
+            c.create_volume(create("v4", MI, vec![], &[]))
+                .await
+                .map(|_| ()),
+            Code::InvalidArgument,
+            "volume_capabilities",
+        ),
+        (
+            "unsupported fs",
+            c.create_volume(create("v5", MI, vec![mount("btrfs")], &[]))
+                .await
+                .map(|_| ()),
+            Code::InvalidArgument,
+            "btrfs",
+        ),
+        (
+            "unknown volume",
+            h.stage("no-such-volume", mount("ext4")).await,
+            Code::NotFound,
+            "no-such-volume",
+        ),
+        (
+            "target is a file",
+            h.publish(&id, &file_target, mount("ext4"), false, &[])
+                .await,
+            Code::InvalidArgument,
+            "target_path",
+        ),
+        (
+            "unknown context key",
+            h.publish(&id, &h.path("t2"), mount("ext4"), false, &[("bogus", "1")])
+                .await,
+            Code::InvalidArgument,
+            "\"bogus\"",
+        ),
+        (
+            "bad list token",
+            c.list_volumes(ListVolumesRequest {
+                max_entries: 0,
+                starting_token: "x".into(),
+            })
+            .await
+            .map(|_| ()),
+            Code::Aborted,
+            "starting_token",
+        ),
+    ];
+    for (name, result, code, fragment) in cases {
+        let err = result.expect_err(name);
+        assert_eq!(err.code(), code, "{name}: {}", err.message());
+        assert!(
+            err.message().contains(fragment),
+            "{name}: {:?} lacks {fragment:?}",
+            err.message()
+        );
+    }
+    assert_eq!(
+        h.volume_ids().await,
+        vec![id.clone()],
+        "failed creates left nothing"
+    );
+    h.unstage(&id).await;
+    h.delete(&id).await;
+    h.finish().await;
+}
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("testdata/pmem-csi-1.0")
+        .join(name)
+}
+
+#[tokio::test]
+async fn adopts_pmem_csi_1_0_state_and_contexts() {
+    let emulated_name = "pvc-a63bc7db-3cbd-404d-9c9d-d7b1969cbaa8";
+    let emulated_id = driver::volume_id::volume_id(emulated_name);
+    let lvm_id = driver::volume_id::volume_id("pvc-0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0");
+    assert_eq!(
+        emulated_id,
+        "pvc-a6-d3bf70885af9aa7fe39e0007671b912cf9749730ad814c8694225c2a"
+    );
+    let mut h = Harness::start_with(&[], |dirs| {
+        std::fs::create_dir_all(&dirs.state).expect("state dir");
+        std::fs::create_dir_all(&dirs.region).expect("region dir");
+        for id in [&emulated_id, &lvm_id] {
+            let file = format!("{id}.json");
+            std::fs::copy(fixture(&file), dirs.state.join(&file)).expect("copy state fixture");
+        }
+        // The device of the emulated volume, as the backend would have left it.
+        std::fs::File::create(dirs.region.join(format!("{emulated_id}.pmem")))
+            .and_then(|f| f.set_len(64 << 20))
+            .expect("region file");
+    })
+    .await;
+    let mut ids = h.volume_ids().await;
+    ids.sort();
+    let mut want = vec![emulated_id.clone(), lvm_id.clone()];
+    want.sort();
+    assert_eq!(ids, want, "both volumes adopted");
+
+    let attributes: HashMap<String, String> = serde_json::from_slice(
+        &std::fs::read(fixture("pv-volume-attributes.json")).expect("fixture"),
+    )
+    .expect("json");
+    let context: Vec<(&str, &str)> = attributes
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    h.node
+        .node_stage_volume(NodeStageVolumeRequest {
+            volume_id: emulated_id.clone(),
+            staging_target_path: h.path("staging").display().to_string(),
+            volume_capability: Some(mount("ext4")),
+            volume_context: params(&context),
+            ..Default::default()
+        })
+        .await
+        .expect("stage with PMEM-CSI 1.0's PV context");
+    let target = h.path("target");
+    h.publish(&emulated_id, &target, mount("ext4"), false, &context)
+        .await
+        .expect("publish with PMEM-CSI 1.0's PV context");
+    h.unpublish(&emulated_id, &target).await;
+    h.unstage(&emulated_id).await;
+
+    let legacy = h
+        .create("legacy-none", 4 * MI, &[("persistencyModel", "none")])
+        .await;
+    assert_eq!(
+        legacy
+            .volume_context
+            .get("persistencyModel")
+            .map(String::as_str),
+        Some("normal")
+    );
+
+    let err = h
+        .controller
+        .delete_volume(DeleteVolumeRequest {
+            volume_id: lvm_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .expect_err("an lvm volume cannot be deleted by an emulated driver");
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert!(err.message().contains("lvm"), "{}", err.message());
+    h.delete(&emulated_id).await;
+    h.delete(&legacy.volume_id).await;
+    h.finish().await;
+}
