@@ -277,6 +277,11 @@ impl Component {
         &self.spec
     }
 
+    /// Its pid, while it has not been reaped.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.id()
+    }
+
     /// An error if the process has exited, with the end of its log.
     pub fn check_running(&mut self) -> Result<(), ProcessError> {
         match self.child.try_wait() {
