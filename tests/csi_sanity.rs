@@ -89,7 +89,6 @@ async fn sanity(
             "--device-mode=fake".into(),
             "--emulated-size=1Ti".into(),
             format!("--state-dir={}", dirs.state.display()),
-            "--admin-address=127.0.0.1:0".into(),
         ]
     };
     args.extend(driver_args.iter().map(|a| a.to_string()));

@@ -590,3 +590,52 @@ async fn adopts_pmem_csi_1_0_state_and_contexts() {
     h.delete(&legacy.volume_id).await;
     h.finish().await;
 }
+
+#[tokio::test]
+async fn metrics_report_capacity_and_operations() {
+    let port = testenv::ports::free_port().expect("port");
+    let admin = format!("--admin-address=127.0.0.1:{port}");
+    let mut h = Harness::start(&[&admin]).await;
+    let id = h.create("metered", 8 * MI, &[]).await.volume_id;
+    let client =
+        testenv::control_plane::anonymous_probe(&format!("http://127.0.0.1:{port}"), "metrics")
+            .expect("client");
+    let text = client
+        .request_text(
+            http::Request::get("/metrics")
+                .body(Vec::new())
+                .expect("request"),
+        )
+        .await
+        .expect("scrape /metrics");
+    let managed = 1u64 << 30;
+    for line in [
+        format!(
+            "pmem_amount_managed{{node=\"node-1\",driver_name=\"pmem-csi.intel.com\"}} {managed}"
+        ),
+        format!(
+            "pmem_amount_total{{node=\"node-1\",driver_name=\"pmem-csi.intel.com\"}} {managed}"
+        ),
+        format!(
+            "pmem_amount_available{{node=\"node-1\",driver_name=\"pmem-csi.intel.com\"}} {}",
+            managed - (8 << 20)
+        ),
+    ] {
+        assert!(text.contains(&line), "missing {line:?} in:\n{text}");
+    }
+    assert!(
+        text.contains("csi_plugin_operations_seconds_count{driver_name=\"pmem-csi.intel.com\",method_name=\"/csi.v1.Controller/CreateVolume\",grpc_status_code=\"OK\"} 1"),
+        "{text}"
+    );
+    let ready = client
+        .request_text(
+            http::Request::get("/readyz")
+                .body(Vec::new())
+                .expect("request"),
+        )
+        .await
+        .expect("ready");
+    assert_eq!(ready, "ok");
+    h.delete(&id).await;
+    h.finish().await;
+}

@@ -357,6 +357,32 @@ impl Volumes {
     }
 }
 
+impl controllers::CapacitySource for Volumes {
+    type Error = VolumeError;
+
+    fn capacity(&self) -> Result<controllers::NodeCapacity, VolumeError> {
+        let capacity = Volumes::capacity(self)?;
+        Ok(controllers::NodeCapacity {
+            pools: capacity
+                .pools
+                .into_iter()
+                .map(|p| controllers::PoolCapacity {
+                    name: p.name,
+                    managed: p.managed,
+                    free: p.free,
+                    largest: p.largest,
+                })
+                .collect(),
+            total: capacity.total,
+            alignment: self.backend.alignment(),
+        })
+    }
+
+    fn changes(&self) -> watch::Receiver<u64> {
+        Volumes::changes(self)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -501,11 +527,37 @@ mod tests {
             Some(first.clone()),
             "fake adopts state"
         );
+        changes = reopened.changes();
         reopened.delete(&first.id).await.expect("delete");
+        assert!(
+            changes.has_changed().expect("open"),
+            "a delete is announced"
+        );
         reopened.delete(&first.id).await.expect("delete unknown");
         assert!(reopened.list().is_empty());
-        changes = reopened.changes();
-        let _ = changes.borrow_and_update();
+    }
+
+    #[tokio::test]
+    async fn capacity_source_reports_pools_and_changes() {
+        use controllers::CapacitySource;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let v = volumes(dir.path(), 16 * MI);
+        let mut changes = CapacitySource::changes(&v);
+        let before = CapacitySource::capacity(&v).expect("capacity");
+        assert_eq!(
+            (before.available(), before.alignment, before.pools.len()),
+            (16 * MI, A, 1)
+        );
+        v.create(request(MI, 0, Parameters::default()))
+            .await
+            .expect("create");
+        assert!(
+            changes.has_changed().expect("open"),
+            "a create is announced"
+        );
+        let after = CapacitySource::capacity(&v).expect("capacity");
+        assert_eq!(after.available(), 12 * MI);
+        assert_eq!(after.maximum_volume_size(), 12 * MI);
     }
 
     #[tokio::test]

@@ -46,7 +46,8 @@ pub enum NodeDriverError {
     Timeout(#[from] Timeout),
 }
 
-/// Arguments of `pmem-csi node` for an emulated region of `size` under `dirs`.
+/// Arguments of `pmem-csi node` for an emulated region of `size` under `dirs`; the admin
+/// server listens on a port of the kernel's choice unless the caller adds `--admin-address`.
 pub fn emulated_args(node: &str, dirs: &NodeDriverDirs, size: &str) -> Vec<String> {
     vec![
         "node".into(),
@@ -56,7 +57,6 @@ pub fn emulated_args(node: &str, dirs: &NodeDriverDirs, size: &str) -> Vec<Strin
         format!("--emulated-dir={}", dirs.region.display()),
         format!("--emulated-size={size}"),
         format!("--state-dir={}", dirs.state.display()),
-        "--admin-address=127.0.0.1:0".into(),
     ]
 }
 
@@ -69,6 +69,10 @@ pub async fn start(
     env: &[(&str, &str)],
 ) -> Result<Component, NodeDriverError> {
     let _ = std::fs::remove_file(&dirs.socket);
+    let mut args = args;
+    if !args.iter().any(|a| a.starts_with("--admin-address")) {
+        args.push("--admin-address=127.0.0.1:0".into());
+    }
     let mut spec = ProcessSpec::new("pmem-csi node", binary, &dirs.log).args(args);
     for (k, v) in env {
         spec = spec.env(*k, *v);
