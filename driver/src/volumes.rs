@@ -542,7 +542,7 @@ mod tests {
         use controllers::CapacitySource;
         let dir = tempfile::tempdir().expect("tempdir");
         let v = volumes(dir.path(), 16 * MI);
-        let mut changes = CapacitySource::changes(&v);
+        let changes = CapacitySource::changes(&v);
         let before = CapacitySource::capacity(&v).expect("capacity");
         assert_eq!(
             (before.available(), before.alignment, before.pools.len()),
