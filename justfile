@@ -43,8 +43,8 @@ demo: tools
 
 # Full benchmarks; results into bench/results/, rendered into BENCHMARKS.md.
 bench: tools
-    cargo build --workspace --bins
-    cargo run --quiet -p bench -- run
+    cargo build --release --workspace --bins
+    cargo run --release --quiet -p bench -- run
 
 # Re-render BENCHMARKS.md from the committed results.
 bench-render:

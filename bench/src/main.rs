@@ -2,6 +2,7 @@
 //! samples and the machine, renders BENCHMARKS.md from the committed results, and checks that
 //! the committed BENCHMARKS.md is what the results render to.
 
+mod driver_ops;
 mod report;
 
 use std::path::PathBuf;
@@ -64,16 +65,22 @@ fn main() -> anyhow::Result<()> {
         Command::Run { smoke, samples } => {
             let samples = if smoke { 1 } else { samples.max(1) };
             let runtime = tokio::runtime::Runtime::new().context("tokio runtime")?;
-            let benchmark = runtime.block_on(testenv_startup(samples))?;
+            let tools = testenv::Tools::locate().context("locating tools")?;
+            let driver_samples = if smoke { 20 } else { samples.max(1) * 100 };
+            let mut benchmarks =
+                runtime.block_on(driver_ops::run(tools.pmem_csi(), &root, driver_samples))?;
+            benchmarks.push(runtime.block_on(testenv_startup(samples))?);
             if smoke {
-                println!("smoke: {} ran, {:?}", benchmark.name, benchmark.samples);
+                for b in &benchmarks {
+                    println!("smoke: {} ran, {} samples", b.name, b.samples.len());
+                }
                 return Ok(());
             }
             let results = Results {
                 date: report::today()?,
                 sha: report::git_sha(&root)?,
                 machine: Machine::current(),
-                benchmarks: vec![benchmark],
+                benchmarks,
             };
             let path = results.write(&results_dir)?;
             println!("wrote {}", path.display());
@@ -127,7 +134,10 @@ async fn testenv_startup(samples: usize) -> anyhow::Result<Benchmark> {
         unit: "s".into(),
         samples: start_s,
         secondary: stop_s,
-        target: Target { p50_max: 10.0 },
+        target: Target {
+            p50_max: Some(10.0),
+            p99_max: None,
+        },
         flags: serde_json::json!({"nodes": 3, "bindTimeoutSeconds": 30}),
     })
 }

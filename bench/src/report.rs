@@ -60,10 +60,31 @@ pub struct Benchmark {
 }
 
 /// A benchmark's target.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Default, Serialize, Deserialize)]
 pub struct Target {
     /// The median sample must not exceed this.
-    pub p50_max: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub p50_max: Option<f64>,
+    /// The 99th percentile must not exceed the sum of other benchmarks' 99th percentiles plus
+    /// a constant (a cost measured beside it on the same machine).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub p99_max: Option<RelativeTarget>,
+}
+
+/// `p99 ≤ Σ p99(of) + plus`.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct RelativeTarget {
+    /// Names of benchmarks in the same run.
+    pub of: Vec<String>,
+    /// Added allowance, in the benchmark's unit.
+    pub plus: f64,
+}
+
+impl Target {
+    /// No target: reported only.
+    pub fn none() -> Self {
+        Self::default()
+    }
 }
 
 /// The `q`-quantile (nearest rank) of `samples`; 0 for none.
@@ -78,8 +99,57 @@ pub fn quantile(samples: &[f64], q: f64) -> f64 {
 }
 
 impl Benchmark {
-    fn met(&self) -> bool {
-        quantile(&self.samples, 0.5) <= self.target.p50_max
+    /// The limit its p99 must stay under, if it has a relative target.
+    fn p99_limit(&self, run: &[Benchmark]) -> Option<f64> {
+        let rel = self.target.p99_max.as_ref()?;
+        let base: f64 = rel
+            .of
+            .iter()
+            .map(|name| {
+                run.iter()
+                    .find(|b| &b.name == name)
+                    .map_or(f64::INFINITY, |b| quantile(&b.samples, 0.99))
+            })
+            .sum();
+        Some(base + rel.plus)
+    }
+
+    /// Why it misses its target, if it does.
+    fn miss(&self, run: &[Benchmark]) -> Option<String> {
+        let p50 = quantile(&self.samples, 0.5);
+        if let Some(max) = self.target.p50_max
+            && p50 > max
+        {
+            return Some(format!(
+                "{}: p50 {p50:.3}{} > {max}{}",
+                self.name, self.unit, self.unit
+            ));
+        }
+        let p99 = quantile(&self.samples, 0.99);
+        if let Some(limit) = self.p99_limit(run)
+            && p99 > limit
+        {
+            return Some(format!(
+                "{}: p99 {p99:.3}{} > {limit:.3}{}",
+                self.name, self.unit, self.unit
+            ));
+        }
+        None
+    }
+
+    fn describe_target(&self, run: &[Benchmark]) -> String {
+        match (&self.target.p50_max, &self.target.p99_max) {
+            (Some(max), _) => format!("p50 ≤ {max}{}", self.unit),
+            (None, Some(rel)) => format!(
+                "p99 ≤ p99({}) + {}{} = {:.3}{}",
+                rel.of.join(") + p99("),
+                rel.plus,
+                self.unit,
+                self.p99_limit(run).unwrap_or(f64::NAN),
+                self.unit
+            ),
+            (None, None) => "–".into(),
+        }
     }
 }
 
@@ -88,17 +158,7 @@ impl Results {
     pub fn missed(&self) -> Vec<String> {
         self.benchmarks
             .iter()
-            .filter(|b| !b.met())
-            .map(|b| {
-                format!(
-                    "{}: p50 {:.2}{} > {}{}",
-                    b.name,
-                    quantile(&b.samples, 0.5),
-                    b.unit,
-                    b.target.p50_max,
-                    b.unit
-                )
-            })
+            .filter_map(|b| b.miss(&self.benchmarks))
             .collect()
     }
 
@@ -143,28 +203,32 @@ pub fn render(dir: &Path) -> anyhow::Result<String> {
         return Ok(out);
     }
     out.push_str(
-        "| benchmark | run | samples | p50 | p90 | max | secondary p50 | target (p50 ≤) | met |\n\
+        "| benchmark | run | samples | p50 | p99 | max | secondary p50 | target | met |\n\
          |---|---|---|---|---|---|---|---|---|\n",
     );
     for (file, results) in runs.iter().rev() {
         for b in &results.benchmarks {
+            let met = match b.miss(&results.benchmarks) {
+                None if b.target.p50_max.is_none() && b.target.p99_max.is_none() => "–",
+                None => "yes",
+                Some(_) => "**no**",
+            };
             out.push_str(&format!(
-                "| {} | {} ({} CPUs) | {} | {:.2}{u} | {:.2}{u} | {:.2}{u} | {} | {}{u} | {} |\n",
+                "| {} | {} ({} CPUs) | {} | {} | {} | {} | {} | {} | {} |\n",
                 b.name,
                 file,
                 results.machine.cpus,
                 b.samples.len(),
-                quantile(&b.samples, 0.5),
-                quantile(&b.samples, 0.9),
-                quantile(&b.samples, 1.0),
+                fmt(quantile(&b.samples, 0.5), &b.unit),
+                fmt(quantile(&b.samples, 0.99), &b.unit),
+                fmt(quantile(&b.samples, 1.0), &b.unit),
                 if b.secondary.is_empty() {
                     "–".to_string()
                 } else {
-                    format!("{:.2}{}", quantile(&b.secondary, 0.5), b.unit)
+                    fmt(quantile(&b.secondary, 0.5), &b.unit)
                 },
-                b.target.p50_max,
-                if b.met() { "yes" } else { "**no**" },
-                u = b.unit,
+                b.describe_target(&results.benchmarks),
+                met,
             ));
         }
     }
@@ -179,6 +243,16 @@ pub fn render(dir: &Path) -> anyhow::Result<String> {
         out.push_str(&format!("- `{name}`: {description}\n"));
     }
     Ok(out)
+}
+
+fn fmt(value: f64, unit: &str) -> String {
+    if value >= 100.0 {
+        format!("{value:.0}{unit}")
+    } else if value >= 1.0 {
+        format!("{value:.2}{unit}")
+    } else {
+        format!("{value:.3}{unit}")
+    }
 }
 
 fn file_name(path: &Path) -> String {
@@ -248,7 +322,10 @@ mod tests {
                 unit: "s".into(),
                 samples: vec![2.0, 4.0],
                 secondary: vec![],
-                target: Target { p50_max: 1.0 },
+                target: Target {
+                    p50_max: Some(1.0),
+                    p99_max: None,
+                },
                 flags: serde_json::json!({}),
             }],
         };
@@ -260,5 +337,53 @@ mod tests {
             "{md}"
         );
         assert!(md.contains("**no**"), "{md}");
+    }
+
+    fn bench(name: &str, samples: Vec<f64>, target: Target) -> Benchmark {
+        Benchmark {
+            name: name.into(),
+            description: String::new(),
+            unit: "ms".into(),
+            samples,
+            secondary: vec![],
+            target,
+            flags: serde_json::json!({}),
+        }
+    }
+
+    #[test]
+    fn relative_targets() {
+        let rel = |plus| Target {
+            p50_max: None,
+            p99_max: Some(RelativeTarget {
+                of: vec!["fsync".into(), "fallocate".into()],
+                plus,
+            }),
+        };
+        let run = vec![
+            bench("fsync", vec![1.0, 2.0], Target::none()),
+            bench("fallocate", vec![0.5, 1.0], Target::none()),
+            bench("ok", vec![3.0, 3.4], rel(0.5)),
+            bench("slow", vec![3.0, 3.6], rel(0.5)),
+        ];
+        assert_eq!(run[2].miss(&run), None);
+        assert!(run[3].miss(&run).is_some_and(|m| m.contains("slow")));
+        assert_eq!(run[0].miss(&run), None, "no target, never missed");
+        let missing = vec![bench(
+            "x",
+            vec![1.0],
+            Target {
+                p50_max: None,
+                p99_max: Some(RelativeTarget {
+                    of: vec!["absent".into()],
+                    plus: 0.0,
+                }),
+            },
+        )];
+        assert_eq!(
+            missing[0].miss(&missing),
+            None,
+            "an absent base is an infinite limit"
+        );
     }
 }

@@ -69,6 +69,12 @@ pub async fn start(
     env: &[(&str, &str)],
 ) -> Result<Component, NodeDriverError> {
     let _ = std::fs::remove_file(&dirs.socket);
+    if let Some(parent) = dirs.log.parent() {
+        std::fs::create_dir_all(parent).map_err(|source| ProcessError::Log {
+            path: dirs.log.clone(),
+            source,
+        })?;
+    }
     let mut args = args;
     if !args.iter().any(|a| a.starts_with("--admin-address")) {
         args.push("--admin-address=127.0.0.1:0".into());
