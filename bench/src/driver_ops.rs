@@ -20,6 +20,8 @@ const VOLUME_SIZE: u64 = 4 << 20;
 /// Volumes alive at once: creates and deletes alternate in batches of this many, so the region
 /// never grows past it.
 const BATCH: usize = 50;
+/// Unmeasured create/delete pairs before each measured series.
+const WARM_UP: usize = 20;
 
 fn ms(start: Instant) -> f64 {
     start.elapsed().as_secs_f64() * 1000.0
@@ -90,6 +92,30 @@ async fn driver_samples(
         .await
         .with_context(|| format!("starting pmem-csi node --device-mode={mode}"))?;
     let mut client = ControllerClient::new(driver::client::connect(&dirs.socket).await?);
+    // Warm-up, not measured: the first calls pay for the connection, lazy initialisation in
+    // the driver and a cold directory cache.
+    for i in 0..WARM_UP {
+        let volume = client
+            .create_volume(CreateVolumeRequest {
+                name: format!("pvc-warm-up-{i}"),
+                capacity_range: Some(CapacityRange {
+                    required_bytes: VOLUME_SIZE as i64,
+                    limit_bytes: 0,
+                }),
+                volume_capabilities: vec![capability()],
+                ..Default::default()
+            })
+            .await?
+            .into_inner()
+            .volume
+            .context("no volume in the response")?;
+        client
+            .delete_volume(DeleteVolumeRequest {
+                volume_id: volume.volume_id,
+                ..Default::default()
+            })
+            .await?;
+    }
     let mut creates = Vec::with_capacity(n);
     let mut deletes = Vec::with_capacity(n);
     let total = Instant::now();
@@ -145,6 +171,7 @@ pub async fn run(binary: &Path, work: &Path, n: usize) -> anyhow::Result<Vec<Ben
     let flags = serde_json::json!({
         "volume_size_bytes": VOLUME_SIZE,
         "batch": BATCH,
+        "warm_up_pairs": WARM_UP,
         "samples": n,
         "filesystem_magic": fs_type,
         "binary": binary.display().to_string(),

@@ -79,6 +79,9 @@ fn main() -> anyhow::Result<()> {
             let results = Results {
                 date: report::today()?,
                 sha: report::git_sha(&root)?,
+                timestamp: std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs()),
                 machine: Machine::current(),
                 benchmarks,
             };

@@ -12,6 +12,9 @@ pub struct Results {
     pub date: String,
     /// Commit the run measured.
     pub sha: String,
+    /// Seconds since the epoch when the run finished; orders runs of one day.
+    #[serde(default)]
+    pub timestamp: u64,
     /// Where it ran.
     pub machine: Machine,
     /// What it measured.
@@ -184,7 +187,6 @@ pub fn render(dir: &Path) -> anyhow::Result<String> {
             .collect(),
         Err(_) => Vec::new(),
     };
-    files.sort();
     let mut runs = Vec::new();
     for file in &files {
         let text =
@@ -193,6 +195,7 @@ pub fn render(dir: &Path) -> anyhow::Result<String> {
             serde_json::from_str(&text).with_context(|| format!("parsing {}", file.display()))?;
         runs.push((file_name(file), results));
     }
+    runs.sort_by(|(fa, a), (fb, b)| (&a.date, a.timestamp, fa).cmp(&(&b.date, b.timestamp, fb)));
     let mut out = String::from(
         "# Benchmarks\n\nRendered by `just bench` from `bench/results/*.json` (raw samples, machine \
          and flags are in those files); do not edit by hand. `just test` runs every benchmark \
@@ -206,8 +209,13 @@ pub fn render(dir: &Path) -> anyhow::Result<String> {
         "| benchmark | run | samples | p50 | p99 | max | secondary p50 | target | met |\n\
          |---|---|---|---|---|---|---|---|---|\n",
     );
+    // The newest run of each benchmark; older runs are listed below as history.
+    let mut shown = std::collections::BTreeSet::new();
     for (file, results) in runs.iter().rev() {
         for b in &results.benchmarks {
+            if !shown.insert(b.name.clone()) {
+                continue;
+            }
             let met = match b.miss(&results.benchmarks) {
                 None if b.target.p50_max.is_none() && b.target.p99_max.is_none() => "–",
                 None => "yes",
@@ -241,6 +249,19 @@ pub fn render(dir: &Path) -> anyhow::Result<String> {
     }
     for (name, description) in described {
         out.push_str(&format!("- `{name}`: {description}\n"));
+    }
+    out.push_str("\n## Runs\n\n");
+    for (file, results) in runs.iter().rev() {
+        let missed = results.missed();
+        out.push_str(&format!(
+            "- `{file}`: {} benchmarks, {}\n",
+            results.benchmarks.len(),
+            if missed.is_empty() {
+                "all targets met".to_string()
+            } else {
+                format!("missed: {}", missed.join("; "))
+            }
+        ));
     }
     Ok(out)
 }
@@ -312,6 +333,7 @@ mod tests {
         let results = Results {
             date: "2026-01-01".into(),
             sha: "abc".into(),
+            timestamp: 0,
             machine: Machine {
                 cpus: 2,
                 kernel: "k".into(),
