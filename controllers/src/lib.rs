@@ -3,8 +3,10 @@
 
 pub mod admin;
 pub mod capacity_source;
+pub mod liveness;
 pub mod logging;
 pub mod readiness;
+pub mod rescheduler;
 
 pub use admin::{AdminError, AdminServer};
 pub use capacity_source::{CapacitySource, NodeCapacity, PoolCapacity};
