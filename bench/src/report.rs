@@ -179,7 +179,7 @@ impl Results {
 /// BENCHMARKS.md for every result file in `dir`: the newest run of each benchmark, then the
 /// history.
 pub fn render(dir: &Path) -> anyhow::Result<String> {
-    let mut files: Vec<PathBuf> = match std::fs::read_dir(dir) {
+    let files: Vec<PathBuf> = match std::fs::read_dir(dir) {
         Ok(entries) => entries
             .flatten()
             .map(|e| e.path())
