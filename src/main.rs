@@ -22,7 +22,7 @@ enum Mode {
     /// Per-node CSI driver (DaemonSet on every PMEM node).
     Node(NodeCommand),
     /// Cluster-level controllers (Deployment).
-    Controller(Common<10011>),
+    Controller(ControllerCommand),
     /// Scheduler extender beside kube-scheduler (host-network DaemonSet on control-plane nodes).
     Extender(Common<10012>),
 }
@@ -34,6 +34,15 @@ struct NodeCommand {
     common: Common<10010>,
     #[command(flatten)]
     driver: driver::NodeArgs,
+}
+
+/// `pmem-csi controller`.
+#[derive(Args, Debug)]
+struct ControllerCommand {
+    #[command(flatten)]
+    common: Common<10011>,
+    #[command(flatten)]
+    controller: controllers::ControllerArgs,
 }
 
 /// Flags every mode takes; the admin port default differs per mode so that modes sharing a
@@ -54,7 +63,7 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let (mode, admin_address, log_format) = match &cli.mode {
         Mode::Node(c) => ("node", c.common.admin_address, c.common.log_format),
-        Mode::Controller(c) => ("controller", c.admin_address, c.log_format),
+        Mode::Controller(c) => ("controller", c.common.admin_address, c.common.log_format),
         Mode::Extender(c) => ("extender", c.admin_address, c.log_format),
     };
     controllers::logging::init(log_format).map_err(anyhow::Error::msg)?;
@@ -73,6 +82,18 @@ async fn main() -> anyhow::Result<()> {
         serving.set(true);
         let token = shutdown.clone();
         work.spawn(async move { node.serve(token).await.map_err(anyhow::Error::from) });
+    }
+    if let Mode::Controller(c) = &cli.mode {
+        let config = c.controller.validate()?;
+        let process =
+            controllers::ControllerProcess::start(config, &mut registry, &readiness).await?;
+        let token = shutdown.clone();
+        work.spawn(async move {
+            process.run(token.clone()).await;
+            // The concerns only end on shutdown; ending earlier is a failure.
+            anyhow::ensure!(token.is_cancelled(), "the controller stopped unexpectedly");
+            Ok(())
+        });
     }
     let admin = AdminServer::bind(admin_address, registry, readiness)
         .await

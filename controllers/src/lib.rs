@@ -3,12 +3,20 @@
 
 pub mod admin;
 pub mod capacity_source;
+pub mod controller_process;
+pub mod duration;
 pub mod liveness;
+pub mod liveness_view;
 pub mod logging;
+pub mod names;
+pub mod node_selector;
 pub mod readiness;
+pub mod reconcile_metrics;
 pub mod rescheduler;
+pub mod stores;
 
 pub use admin::{AdminError, AdminServer};
 pub use capacity_source::{CapacitySource, NodeCapacity, PoolCapacity};
+pub use controller_process::{ControllerArgs, ControllerProcess};
 pub use logging::LogFormat;
 pub use readiness::{Readiness, ReadyFlag};

@@ -3,7 +3,28 @@
 //! scheduler picks another node. Never otherwise: a node that may still start the driver could
 //! provision the claim at the same time as the next one, and one of the volumes would leak.
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::PersistentVolumeClaim;
+use k8s_openapi::api::storage::v1::StorageClass;
+use kube::api::{Patch, PatchParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::reflector::{ObjectRef, ReflectHandle, Store};
+use kube::{Api, Resource};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
+use tokio_util::sync::CancellationToken;
+
 use crate::liveness::{DriverlessReason, Liveness};
+use crate::liveness_view::LivenessView;
+use crate::reconcile_metrics::{ReconcileMetrics, ReconcileResult};
+use crate::stores::Stores;
 
 /// The annotation the scheduler sets and the rescheduler removes.
 pub const SELECTED_NODE: &str = "volume.kubernetes.io/selected-node";
@@ -110,6 +131,292 @@ pub fn decide(
             reason,
         },
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The controller around the decision.
+// ---------------------------------------------------------------------------------------------
+
+/// The controller's name in metrics and logs.
+pub const CONTROLLER: &str = "rescheduler";
+
+/// Failures of one reconcile; the object is retried with exponential back-off.
+#[derive(Debug, thiserror::Error)]
+pub enum RescheduleError {
+    /// An apiserver call failed.
+    #[error("{op} PVC {namespace}/{name}: {source}")]
+    Api {
+        /// What was being done.
+        op: &'static str,
+        /// Namespace.
+        namespace: String,
+        /// Name.
+        name: String,
+        /// Why.
+        source: kube::Error,
+    },
+}
+
+/// Counters of the rescheduler (`pmem_csi_rescheduler_decisions_total{verdict,reason}`).
+#[derive(Clone, Debug)]
+pub struct ReschedulerMetrics {
+    decisions: Family<DecisionLabels, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DecisionLabels {
+    verdict: String,
+    reason: String,
+}
+
+impl ReschedulerMetrics {
+    /// Registers the counters in `registry`, every combination at zero.
+    pub fn register(registry: &mut Registry) -> Self {
+        let decisions = Family::<DecisionLabels, Counter>::default();
+        registry.register(
+            "pmem_csi_rescheduler_decisions",
+            "Decisions of the PVC rescheduler by verdict and reason",
+            decisions.clone(),
+        );
+        let keep = [
+            KeepReason::Bound,
+            KeepReason::Deleting,
+            KeepReason::NoSelectedNode,
+            KeepReason::OtherDriver,
+            KeepReason::UnknownDriver,
+            KeepReason::DriverMayRun,
+            KeepReason::GraceNotElapsed,
+        ];
+        for reason in keep.iter().map(|k| k.as_str()).chain(["not-confirmed"]) {
+            let _ = decisions.get_or_create(&DecisionLabels {
+                verdict: "keep".into(),
+                reason: reason.into(),
+            });
+        }
+        for reason in [
+            DriverlessReason::NodeMissing,
+            DriverlessReason::NotSelectedNoCsiNodeEntry,
+            DriverlessReason::HeartbeatExpired,
+        ] {
+            let _ = decisions.get_or_create(&DecisionLabels {
+                verdict: "unset".into(),
+                reason: reason.as_str().into(),
+            });
+        }
+        Self { decisions }
+    }
+
+    fn count(&self, verdict: &str, reason: &str) {
+        self.decisions
+            .get_or_create(&DecisionLabels {
+                verdict: verdict.into(),
+                reason: reason.into(),
+            })
+            .inc();
+    }
+}
+
+/// The rescheduler: reconciles pending claims from the shared claim cache.
+pub struct Rescheduler {
+    client: kube::Client,
+    stores: Stores,
+    liveness: LivenessView,
+    recorder: Recorder,
+    metrics: ReschedulerMetrics,
+    reconciles: ReconcileMetrics,
+    failures: Mutex<HashMap<ObjectRef<PersistentVolumeClaim>, u32>>,
+}
+
+/// The facts of `claim`, its class looked up in `classes`.
+pub fn claim_facts(claim: &PersistentVolumeClaim, classes: &Store<StorageClass>) -> ClaimFacts {
+    let annotations = claim.metadata.annotations.as_ref();
+    let spec = claim.spec.as_ref();
+    let class_provisioner = spec
+        .and_then(|s| s.storage_class_name.as_deref())
+        .filter(|c| !c.is_empty())
+        .and_then(|c| classes.get(&ObjectRef::new(c)))
+        .map(|c| c.provisioner.clone());
+    ClaimFacts {
+        bound: spec
+            .and_then(|s| s.volume_name.as_deref())
+            .is_some_and(|v| !v.is_empty()),
+        deleting: claim.metadata.deletion_timestamp.is_some(),
+        selected_node: annotations.and_then(|a| a.get(SELECTED_NODE)).cloned(),
+        class_provisioner,
+        provisioner_annotation: annotations
+            .and_then(|a| {
+                a.get(STORAGE_PROVISIONER)
+                    .or_else(|| a.get(BETA_STORAGE_PROVISIONER))
+            })
+            .cloned(),
+    }
+}
+
+impl Rescheduler {
+    /// A rescheduler writing with `client`.
+    pub fn new(
+        client: kube::Client,
+        stores: Stores,
+        liveness: LivenessView,
+        reporter: Reporter,
+        metrics: ReschedulerMetrics,
+        reconciles: ReconcileMetrics,
+    ) -> Self {
+        reconciles.precreate(CONTROLLER);
+        Self {
+            recorder: Recorder::new(client.clone(), reporter),
+            client,
+            stores,
+            liveness,
+            metrics,
+            reconciles,
+            failures: Mutex::default(),
+        }
+    }
+
+    /// Runs until `shutdown`, triggered by the shared claim watch.
+    pub async fn run(
+        self,
+        trigger: ReflectHandle<PersistentVolumeClaim>,
+        shutdown: CancellationToken,
+    ) {
+        let claims = self.stores.claims.clone();
+        Controller::for_shared_stream(trigger, claims)
+            .graceful_shutdown_on(shutdown.cancelled_owned())
+            .run(reconcile, error_policy, Arc::new(self))
+            .for_each(|_| async {})
+            .await;
+    }
+
+    async fn reconcile(&self, claim: &PersistentVolumeClaim) -> Result<Action, RescheduleError> {
+        let driver = self.liveness.settings().driver.clone();
+        let grace = self.liveness.settings().grace;
+        let facts = claim_facts(claim, &self.stores.classes);
+        let mut remaining = grace;
+        let verdict = decide(&facts, &driver, |node| {
+            let l = self.liveness.judge(node);
+            if let Liveness::Suspect { remaining: r, .. } = l {
+                remaining = r;
+            }
+            l
+        });
+        let (node, reason) = match verdict {
+            Verdict::Keep(reason) => {
+                self.metrics.count("keep", reason.as_str());
+                return Ok(match reason {
+                    // Judge again once the grace has passed.
+                    KeepReason::GraceNotElapsed => {
+                        Action::requeue(remaining + Duration::from_millis(100))
+                    }
+                    // Node and CSINode changes do not trigger claims: look again after a grace.
+                    KeepReason::DriverMayRun => Action::requeue(grace.max(Duration::from_secs(1))),
+                    _ => Action::await_change(),
+                });
+            }
+            Verdict::Unset { node, reason } => (node, reason),
+        };
+        let namespace = claim.metadata.namespace.clone().unwrap_or_default();
+        let name = claim.metadata.name.clone().unwrap_or_default();
+        let api_err = |op| {
+            let (namespace, name) = (namespace.clone(), name.clone());
+            move |source| RescheduleError::Api {
+                op,
+                namespace,
+                name,
+                source,
+            }
+        };
+        // Confirm with uncached reads: the claim as it is now, and the node's objects.
+        let api = Api::<PersistentVolumeClaim>::namespaced(self.client.clone(), &namespace);
+        let Some(fresh) = api.get_opt(&name).await.map_err(api_err("reading"))? else {
+            return Ok(Action::await_change());
+        };
+        if decide(&claim_facts(&fresh, &self.stores.classes), &driver, |_| {
+            Liveness::DefinitelyNotRunning(reason)
+        }) != (Verdict::Unset {
+            node: node.clone(),
+            reason,
+        }) {
+            return Ok(Action::requeue(Duration::ZERO));
+        }
+        let confirmed = self
+            .liveness
+            .confirm(&self.client, &node)
+            .await
+            .map_err(api_err("confirming the node of"))?;
+        if confirmed.is_none() {
+            self.metrics.count("keep", "not-confirmed");
+            return Ok(Action::requeue(grace.max(Duration::from_secs(1))));
+        }
+        let patch = serde_json::json!({
+            "metadata": {
+                // A merge patch carrying resourceVersion fails with 409 if the claim changed
+                // since it was read: the scheduler may have moved on in between.
+                "resourceVersion": fresh.metadata.resource_version,
+                "annotations": { SELECTED_NODE: null },
+            }
+        });
+        api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map_err(api_err("removing selected-node from"))?;
+        self.metrics.count("unset", reason.as_str());
+        tracing::info!(claim = %format!("{namespace}/{name}"), node, reason = reason.as_str(), "rescheduled");
+        let event = Event {
+            type_: EventType::Normal,
+            reason: "Rescheduled".into(),
+            note: Some(format!(
+                "removed {SELECTED_NODE}={node}: the PMEM-CSI driver does not run there ({})",
+                reason.as_str()
+            )),
+            action: "Reschedule".into(),
+            secondary: None,
+        };
+        if let Err(e) = self.recorder.publish(&event, &fresh.object_ref(&())).await {
+            tracing::warn!("publishing the Rescheduled event: {e}");
+        }
+        Ok(Action::await_change())
+    }
+
+    fn backoff(&self, claim: &PersistentVolumeClaim, failed: bool) -> Duration {
+        let key = ObjectRef::from_obj(claim);
+        let mut failures = self.failures.lock().unwrap_or_else(PoisonError::into_inner);
+        if !failed {
+            failures.remove(&key);
+            return Duration::ZERO;
+        }
+        let n = failures.entry(key).or_insert(0);
+        *n = n.saturating_add(1);
+        // 500 ms, 1 s, 2 s, … capped at 5 minutes.
+        Duration::from_millis(500u64.saturating_mul(1u64 << (*n - 1).min(20)))
+            .min(Duration::from_secs(300))
+    }
+}
+
+async fn reconcile(
+    claim: Arc<PersistentVolumeClaim>,
+    ctx: Arc<Rescheduler>,
+) -> Result<Action, RescheduleError> {
+    let active = ctx.reconciles.start(CONTROLLER);
+    let result = ctx.reconcile(&claim).await;
+    active.finish(match &result {
+        Ok(a) if *a == Action::await_change() => ReconcileResult::Success,
+        Ok(_) => ReconcileResult::RequeueAfter,
+        Err(_) => ReconcileResult::Error,
+    });
+    if result.is_ok() {
+        ctx.backoff(&claim, false);
+    }
+    result
+}
+
+fn error_policy(
+    claim: Arc<PersistentVolumeClaim>,
+    error: &RescheduleError,
+    ctx: Arc<Rescheduler>,
+) -> Action {
+    let delay = ctx.backoff(&claim, true);
+    tracing::warn!("{error}; retrying in {delay:?}");
+    Action::requeue(delay)
 }
 
 #[cfg(test)]

@@ -36,8 +36,10 @@ pub struct NodeSpec {
     /// Node name (`node-1`, …).
     pub name: String,
     /// Whether the driver is meant to run here: the node then carries the node-selector label and
-    /// the topology label, and its CSINode lists the driver.
+    /// the topology label.
     pub driver: bool,
+    /// Whether its CSINode lists the driver (as node-driver-registrar would once it runs).
+    pub csinode_driver: bool,
 }
 
 impl NodeSpec {
@@ -46,6 +48,17 @@ impl NodeSpec {
         Self {
             name: name.into(),
             driver: true,
+            csinode_driver: true,
+        }
+    }
+
+    /// A node whose selector label and CSINode entry are set independently (the states the
+    /// liveness judgement distinguishes).
+    pub fn custom(name: impl Into<String>, selector_label: bool, csinode_driver: bool) -> Self {
+        Self {
+            name: name.into(),
+            driver: selector_label,
+            csinode_driver,
         }
     }
 
@@ -54,6 +67,7 @@ impl NodeSpec {
         Self {
             name: name.into(),
             driver: false,
+            csinode_driver: false,
         }
     }
 
@@ -106,7 +120,7 @@ impl NodeSpec {
 
     /// The CSINode object; it lists the driver only where it runs.
     pub fn csi_node(&self, driver: &str) -> CSINode {
-        let drivers = if self.driver {
+        let drivers = if self.csinode_driver {
             vec![CSINodeDriver {
                 name: driver.to_string(),
                 node_id: self.name.clone(),

@@ -318,9 +318,22 @@ async fn supervised_process_restarts_after_sigkill_and_stays_stopped_when_stoppe
             env.tools().pmem_csi(),
             "supervision-test.log",
         )
+        // A node driver on the fake backend: a real long-running process with an admin
+        // server, needing nothing from the cluster.
         .args([
             "node".to_string(),
             format!("--admin-address=127.0.0.1:{port}"),
+            format!(
+                "--endpoint=unix://{}",
+                env.dir().join("supervision-test.sock").display()
+            ),
+            "--node-id=supervision-test".into(),
+            "--device-mode=fake".into(),
+            "--emulated-size=1Gi".into(),
+            format!(
+                "--state-dir={}",
+                env.dir().join("supervision-test-state").display()
+            ),
         ]),
     );
     let probe = testenv::control_plane::anonymous_probe(&format!("http://127.0.0.1:{port}"), "p")

@@ -1,0 +1,280 @@
+//! `pmem-csi controller`: its flags, and the process that hosts the cluster-level concerns on
+//! one client and one set of shared caches.
+
+use std::time::Duration;
+
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Node, PersistentVolumeClaim};
+use k8s_openapi::api::storage::v1::{CSINode, StorageClass};
+use kube::Api;
+use kube::runtime::events::Reporter;
+use kube::runtime::reflector::ReflectHandle;
+use kube::runtime::watcher;
+use prometheus_client::registry::Registry;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::duration::parse_duration;
+use crate::liveness_view::{LivenessSettings, LivenessView};
+use crate::node_selector::NodeSelector;
+use crate::readiness::{Readiness, ReadyFlag};
+use crate::reconcile_metrics::ReconcileMetrics;
+use crate::rescheduler::{Rescheduler, ReschedulerMetrics};
+use crate::stores::{self, Stores};
+
+/// Flags of `pmem-csi controller`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ControllerArgs {
+    /// CSI driver name.
+    #[arg(
+        long,
+        env = "PMEM_CSI_DRIVER_NAME",
+        default_value = "pmem-csi.intel.com"
+    )]
+    pub driver_name: String,
+
+    /// Labels of the nodes meant to run the driver: `k=v[,k=v]` or a JSON map. Required.
+    #[arg(long)]
+    pub node_selector: Option<String>,
+
+    /// How long a node must look driverless before claims selected for it are rescheduled.
+    #[arg(long, default_value = "30s")]
+    pub reschedule_grace: String,
+
+    /// Also judge a node driverless when its heartbeat Lease has been expired this long.
+    #[arg(long)]
+    pub heartbeat_grace: Option<String>,
+
+    /// The driver's namespace (heartbeat Leases, Events).
+    #[arg(long, env = "POD_NAMESPACE", default_value = "pmem-csi")]
+    pub namespace: String,
+}
+
+/// Validated controller configuration.
+#[derive(Clone, Debug)]
+pub struct ControllerConfig {
+    /// Driver name.
+    pub driver_name: String,
+    /// Node selector.
+    pub node_selector: NodeSelector,
+    /// Reschedule grace.
+    pub reschedule_grace: Duration,
+    /// Heartbeat grace, if heartbeats count.
+    pub heartbeat_grace: Option<Duration>,
+    /// Driver namespace.
+    pub namespace: String,
+}
+
+/// A flag that does not validate.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("--{flag}: {reason}")]
+pub struct ControllerConfigError {
+    /// The flag.
+    pub flag: &'static str,
+    /// Why.
+    pub reason: String,
+}
+
+impl ControllerArgs {
+    /// Validates the flags.
+    pub fn validate(&self) -> Result<ControllerConfig, ControllerConfigError> {
+        let err = |flag, reason: String| ControllerConfigError { flag, reason };
+        let selector = self.node_selector.as_deref().ok_or_else(|| {
+            err(
+                "node-selector",
+                "required (for example storage=pmem)".into(),
+            )
+        })?;
+        let node_selector =
+            NodeSelector::parse(selector).map_err(|e| err("node-selector", e.reason))?;
+        let reschedule_grace =
+            parse_duration(&self.reschedule_grace).map_err(|e| err("reschedule-grace", e))?;
+        let heartbeat_grace = self
+            .heartbeat_grace
+            .as_deref()
+            .map(parse_duration)
+            .transpose()
+            .map_err(|e| err("heartbeat-grace", e))?;
+        if self.namespace.is_empty() {
+            return Err(err("namespace", "must not be empty".into()));
+        }
+        Ok(ControllerConfig {
+            driver_name: self.driver_name.clone(),
+            node_selector,
+            reschedule_grace,
+            heartbeat_grace,
+            namespace: self.namespace.clone(),
+        })
+    }
+}
+
+/// Failures starting the controller.
+#[derive(Debug, thiserror::Error)]
+pub enum ControllerProcessError {
+    /// No usable kubeconfig or in-cluster configuration.
+    #[error("connecting to the apiserver: {0}")]
+    Client(#[from] kube::Error),
+}
+
+/// The controller process: caches started, concerns ready to run.
+pub struct ControllerProcess {
+    config: ControllerConfig,
+    client: kube::Client,
+    stores: Stores,
+    claim_events: ReflectHandle<PersistentVolumeClaim>,
+    tasks: JoinSet<()>,
+    synced: ReadyFlag,
+    rescheduler_metrics: ReschedulerMetrics,
+    reconciles: ReconcileMetrics,
+}
+
+impl ControllerProcess {
+    /// Connects, registers metrics and starts the shared watches.
+    pub async fn start(
+        config: ControllerConfig,
+        registry: &mut Registry,
+        readiness: &Readiness,
+    ) -> Result<Self, ControllerProcessError> {
+        let client = kube::Client::try_default().await?;
+        let mut tasks = JoinSet::new();
+        let (claims, claim_events) = stores::shared(
+            Api::<PersistentVolumeClaim>::all(client.clone()),
+            watcher::Config::default(),
+            &mut tasks,
+        );
+        let stores = Stores {
+            claims,
+            classes: stores::cache(
+                Api::<StorageClass>::all(client.clone()),
+                watcher::Config::default(),
+                &mut tasks,
+            ),
+            nodes: stores::cache(
+                Api::<Node>::all(client.clone()),
+                watcher::Config::default(),
+                &mut tasks,
+            ),
+            csinodes: stores::cache(
+                Api::<CSINode>::all(client.clone()),
+                watcher::Config::default(),
+                &mut tasks,
+            ),
+            leases: stores::cache(
+                Api::<Lease>::namespaced(client.clone(), &config.namespace),
+                watcher::Config::default(),
+                &mut tasks,
+            ),
+        };
+        Ok(Self {
+            config,
+            client,
+            stores,
+            claim_events,
+            tasks,
+            synced: readiness.register("stores-synced"),
+            rescheduler_metrics: ReschedulerMetrics::register(registry),
+            reconciles: ReconcileMetrics::register(registry),
+        })
+    }
+
+    /// Runs every concern until `shutdown`.
+    pub async fn run(mut self, shutdown: CancellationToken) {
+        tokio::select! {
+            ready = self.stores.wait_ready() => {
+                if ready.is_err() {
+                    tracing::error!("a watch ended before its cache was ready");
+                    return;
+                }
+            }
+            _ = shutdown.cancelled() => return,
+        }
+        self.synced.set(true);
+        tracing::info!("caches synced");
+        let liveness = LivenessView::new(
+            LivenessSettings {
+                driver: self.config.driver_name.clone(),
+                selector: self.config.node_selector.clone(),
+                grace: self.config.reschedule_grace,
+                heartbeat: self.config.heartbeat_grace,
+                namespace: self.config.namespace.clone(),
+            },
+            self.stores.clone(),
+        );
+        self.tasks.spawn(liveness.clone().run(shutdown.clone()));
+        let reporter = Reporter {
+            controller: "pmem-csi-controller".into(),
+            instance: std::env::var("POD_NAME").ok(),
+        };
+        let rescheduler = Rescheduler::new(
+            self.client.clone(),
+            self.stores.clone(),
+            liveness,
+            reporter,
+            self.rescheduler_metrics.clone(),
+            self.reconciles.clone(),
+        );
+        rescheduler.run(self.claim_events, shutdown.clone()).await;
+        self.tasks.abort_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args() -> ControllerArgs {
+        ControllerArgs {
+            driver_name: "pmem-csi.intel.com".into(),
+            node_selector: Some("storage=pmem".into()),
+            reschedule_grace: "30s".into(),
+            heartbeat_grace: None,
+            namespace: "pmem-csi".into(),
+        }
+    }
+
+    #[test]
+    fn validate_table() {
+        type Edit = fn(&mut ControllerArgs);
+        let cases: [(&str, Edit, Option<&str>); 6] = [
+            ("valid", |_| {}, None),
+            (
+                "no selector",
+                |a| a.node_selector = None,
+                Some("node-selector"),
+            ),
+            (
+                "empty selector",
+                |a| a.node_selector = Some("".into()),
+                Some("node-selector"),
+            ),
+            (
+                "bad grace",
+                |a| a.reschedule_grace = "soon".into(),
+                Some("reschedule-grace"),
+            ),
+            (
+                "bad heartbeat",
+                |a| a.heartbeat_grace = Some("1x".into()),
+                Some("heartbeat-grace"),
+            ),
+            (
+                "empty namespace",
+                |a| a.namespace = String::new(),
+                Some("namespace"),
+            ),
+        ];
+        for (name, edit, flag) in cases {
+            let mut a = args();
+            edit(&mut a);
+            match (a.validate(), flag) {
+                (Ok(_), None) => {}
+                (Err(e), Some(flag)) => assert_eq!(e.flag, flag, "{name}"),
+                (got, want) => panic!("{name}: got {got:?}, want error on {want:?}"),
+            }
+        }
+        assert_eq!(
+            args().validate().expect("valid").reschedule_grace,
+            Duration::from_secs(30)
+        );
+    }
+}

@@ -1,0 +1,213 @@
+//! The liveness judgement of every node, kept current in the background from the stores
+//! (observed every second, so that "continuously for the grace period" means what it says),
+//! and confirmed with uncached reads before anything is written on its strength.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::storage::v1::CSINode;
+use kube::Api;
+use kube::runtime::reflector::ObjectRef;
+use tokio_util::sync::CancellationToken;
+
+use crate::liveness::{self, CsiNodeState, HeartbeatState, Liveness, NodeObservation};
+use crate::node_selector::NodeSelector;
+use crate::stores::Stores;
+
+/// How often the background task observes every node.
+const OBSERVE_EVERY: Duration = Duration::from_secs(1);
+
+/// Heartbeat Lease name of `node`'s driver: `<driver>-node-<node>`, hash-shortened past 63.
+pub fn heartbeat_lease_name(driver: &str, node: &str) -> String {
+    let name = format!("{}-node-{node}", driver.replace('.', "-"));
+    crate::names::shorten(&name, 63)
+}
+
+/// What the judgement depends on besides the stores.
+#[derive(Clone, Debug)]
+pub struct LivenessSettings {
+    /// Driver name.
+    pub driver: String,
+    /// `--node-selector`.
+    pub selector: NodeSelector,
+    /// `--reschedule-grace`.
+    pub grace: Duration,
+    /// `--heartbeat-grace`: Leases count only when set.
+    pub heartbeat: Option<Duration>,
+    /// Namespace of the heartbeat Leases.
+    pub namespace: String,
+}
+
+/// Per-node judgements, shared by the concerns of one process.
+#[derive(Clone)]
+pub struct LivenessView {
+    settings: Arc<LivenessSettings>,
+    stores: Stores,
+    since: Arc<Mutex<HashMap<String, Instant>>>,
+}
+
+impl LivenessView {
+    /// A view over `stores`.
+    pub fn new(settings: LivenessSettings, stores: Stores) -> Self {
+        Self {
+            settings: Arc::new(settings),
+            stores,
+            since: Arc::default(),
+        }
+    }
+
+    /// The settings.
+    pub fn settings(&self) -> &LivenessSettings {
+        &self.settings
+    }
+
+    /// What the stores show about `node` now.
+    pub fn observe(&self, node: &str) -> NodeObservation {
+        let n = self.stores.nodes.get(&ObjectRef::<Node>::new(node));
+        let csinode = self.stores.csinodes.get(&ObjectRef::<CSINode>::new(node));
+        let lease = self.settings.heartbeat.map(|_| {
+            self.stores.leases.get(
+                &ObjectRef::<Lease>::new(&heartbeat_lease_name(&self.settings.driver, node))
+                    .within(&self.settings.namespace),
+            )
+        });
+        observation(
+            &self.settings,
+            n.as_deref(),
+            csinode.as_deref(),
+            lease.as_ref().map(|l| l.as_deref()),
+        )
+    }
+
+    /// The judgement of `node` now; remembers since when it has looked driverless.
+    pub fn judge(&self, node: &str) -> Liveness {
+        let observation = self.observe(node);
+        let mut since = self.since.lock().unwrap_or_else(PoisonError::into_inner);
+        let (liveness, new_since) = liveness::judge(
+            &observation,
+            since.get(node).copied(),
+            Instant::now(),
+            self.settings.grace,
+        );
+        match new_since {
+            Some(t) => since.insert(node.to_string(), t),
+            None => since.remove(node),
+        };
+        liveness
+    }
+
+    /// Observes every known node (and every node judged before) once per second until
+    /// `shutdown`, so that a recovery between two reconciles resets the grace.
+    pub async fn run(self, shutdown: CancellationToken) {
+        loop {
+            let mut nodes: Vec<String> = self
+                .stores
+                .nodes
+                .state()
+                .iter()
+                .map(|n| n.metadata.name.clone().unwrap_or_default())
+                .collect();
+            nodes.extend(
+                self.since
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .keys()
+                    .cloned(),
+            );
+            nodes.sort();
+            nodes.dedup();
+            for node in nodes {
+                self.judge(&node);
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(OBSERVE_EVERY) => {}
+                _ = shutdown.cancelled() => return,
+            }
+        }
+    }
+
+    /// Reads Node, CSINode and Lease of `node` from the apiserver, bypassing the caches, and
+    /// tells whether the driver still looks absent. Writes are only based on this.
+    pub async fn confirm(
+        &self,
+        client: &kube::Client,
+        node: &str,
+    ) -> Result<Option<liveness::DriverlessReason>, kube::Error> {
+        let n = Api::<Node>::all(client.clone()).get_opt(node).await?;
+        let csinode = Api::<CSINode>::all(client.clone()).get_opt(node).await?;
+        let lease = match self.settings.heartbeat {
+            Some(_) => Some(
+                Api::<Lease>::namespaced(client.clone(), &self.settings.namespace)
+                    .get_opt(&heartbeat_lease_name(&self.settings.driver, node))
+                    .await?,
+            ),
+            None => None,
+        };
+        let o = observation(
+            &self.settings,
+            n.as_ref(),
+            csinode.as_ref(),
+            lease.as_ref().map(Option::as_ref),
+        );
+        Ok(liveness::driverless_now(&o))
+    }
+}
+
+/// Builds the observation from objects (`lease`: `None` = heartbeats not used).
+fn observation(
+    settings: &LivenessSettings,
+    node: Option<&Node>,
+    csinode: Option<&CSINode>,
+    lease: Option<Option<&Lease>>,
+) -> NodeObservation {
+    let csinode = match csinode {
+        None => CsiNodeState::Missing,
+        Some(c) if c.spec.drivers.iter().any(|d| d.name == settings.driver) => {
+            CsiNodeState::WithDriver
+        }
+        Some(_) => CsiNodeState::WithoutDriver,
+    };
+    let heartbeat = match (lease, settings.heartbeat) {
+        (None, _) | (_, None) => HeartbeatState::NotUsed,
+        (Some(lease), Some(grace)) => {
+            // The Lease's own duration plus the grace: the holder may renew late by design.
+            let renewed = lease
+                .and_then(|l| l.spec.as_ref())
+                .and_then(|s| s.renew_time.as_ref())
+                .map(|t| t.0);
+            let duration = lease
+                .and_then(|l| l.spec.as_ref())
+                .and_then(|s| s.lease_duration_seconds)
+                .map_or(Duration::ZERO, |s| {
+                    Duration::from_secs(u64::try_from(s).unwrap_or(0))
+                });
+            let expired = match renewed {
+                None => true,
+                Some(renewed) => {
+                    let age = age_of(renewed);
+                    age > duration + grace
+                }
+            };
+            if expired {
+                HeartbeatState::Expired
+            } else {
+                HeartbeatState::Fresh
+            }
+        }
+    };
+    NodeObservation {
+        node_exists: node.is_some(),
+        labels_match: node.is_some_and(|n| settings.selector.matches(n.metadata.labels.as_ref())),
+        csinode,
+        heartbeat,
+    }
+}
+
+/// How long ago `t` was, by the wall clock (zero if in the future).
+fn age_of(t: k8s_openapi::jiff::Timestamp) -> Duration {
+    let now = k8s_openapi::jiff::Timestamp::now();
+    now.duration_since(t).try_into().unwrap_or(Duration::ZERO)
+}

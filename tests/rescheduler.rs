@@ -1,0 +1,313 @@
+//! The PVC rescheduler in a real `pmem-csi controller` process against testenv: it removes
+//! `volume.kubernetes.io/selected-node` exactly when the driver definitely does not run on the
+//! selected node, with an Event and counted decisions, and leaves every other claim alone.
+
+use std::collections::BTreeMap;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{
+    Event, Namespace, Node, PersistentVolumeClaim, PersistentVolumeClaimSpec,
+    VolumeResourceRequirements,
+};
+use k8s_openapi::api::storage::v1::StorageClass;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::Api;
+use kube::api::{DeleteParams, ListParams, ObjectMeta, PostParams};
+use testenv::wait::until;
+use testenv::{NodeSpec, ProcessSpec, Supervised, TestEnv, TestEnvBuilder};
+
+const DRIVER: &str = "pmem-csi.intel.com";
+const SELECTED: &str = "volume.kubernetes.io/selected-node";
+const WAIT: Duration = Duration::from_secs(60);
+
+struct Fixture {
+    env: &'static TestEnv,
+    metrics_port: u16,
+    _controller: Supervised,
+}
+
+/// node-1: the driver runs (selector label, CSINode entry). node-2: driverless (neither).
+/// node-3: selector label, no CSINode entry (driver starting). node-4: no label, CSINode entry
+/// (driver being uninstalled).
+fn fixture() -> &'static Fixture {
+    static FIXTURE: OnceLock<Fixture> = OnceLock::new();
+    FIXTURE.get_or_init(|| {
+        fn configure() -> TestEnvBuilder {
+            TestEnv::builder()
+                .node(NodeSpec::with_driver("node-1"))
+                .node(NodeSpec::driverless("node-2"))
+                .node(NodeSpec::custom("node-3", true, false))
+                .node(NodeSpec::custom("node-4", false, true))
+        }
+        let env = TestEnv::shared(configure);
+        let metrics_port = testenv::ports::free_port().expect("port");
+        let controller = env.supervise(
+            ProcessSpec::new(
+                "pmem-csi controller",
+                env!("CARGO_BIN_EXE_pmem-csi"),
+                "controller.log",
+            )
+            .args([
+                "controller".to_string(),
+                "--node-selector=storage=pmem".into(),
+                "--reschedule-grace=2s".into(),
+                "--namespace=pmem-csi".into(),
+                format!("--admin-address=127.0.0.1:{metrics_port}"),
+            ])
+            .env("KUBECONFIG", env.admin_kubeconfig()),
+        );
+        Fixture {
+            env,
+            metrics_port,
+            _controller: controller,
+        }
+    })
+}
+
+fn claim(
+    name: &str,
+    ns: &str,
+    class: &str,
+    node: Option<&str>,
+    volume: Option<&str>,
+) -> PersistentVolumeClaim {
+    PersistentVolumeClaim {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(ns.into()),
+            annotations: node.map(|n| BTreeMap::from([(SELECTED.to_string(), n.to_string())])),
+            ..Default::default()
+        },
+        spec: Some(PersistentVolumeClaimSpec {
+            access_modes: Some(vec!["ReadWriteOnce".into()]),
+            storage_class_name: Some(class.into()),
+            volume_name: volume.map(str::to_string),
+            resources: Some(VolumeResourceRequirements {
+                requests: Some(BTreeMap::from([(
+                    "storage".to_string(),
+                    Quantity("1Gi".into()),
+                )])),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+async fn class(client: &kube::Client, name: &str, provisioner: &str) {
+    Api::<StorageClass>::all(client.clone())
+        .create(
+            &PostParams::default(),
+            &StorageClass {
+                metadata: ObjectMeta {
+                    name: Some(name.into()),
+                    ..Default::default()
+                },
+                provisioner: provisioner.into(),
+                volume_binding_mode: Some("WaitForFirstConsumer".into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("class");
+}
+
+async fn selected(api: &Api<PersistentVolumeClaim>, name: &str) -> Option<String> {
+    api.get(name)
+        .await
+        .ok()?
+        .metadata
+        .annotations?
+        .get(SELECTED)
+        .cloned()
+}
+
+async fn metrics(port: u16) -> String {
+    let client =
+        testenv::control_plane::anonymous_probe(&format!("http://127.0.0.1:{port}"), "metrics")
+            .expect("client");
+    client
+        .request_text(
+            http::Request::get("/metrics")
+                .body(Vec::new())
+                .expect("request"),
+        )
+        .await
+        .unwrap_or_default()
+}
+
+fn counter(text: &str, prefix: &str) -> u64 {
+    text.lines()
+        .find(|l| l.starts_with(prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse::<f64>().ok())
+        .map_or(0, |v| v as u64)
+}
+
+#[tokio::test]
+async fn unsets_selected_node_only_where_the_driver_definitely_does_not_run() {
+    let f = fixture();
+    let client = f.env.client().await.expect("client");
+    let _ = Api::<Namespace>::all(client.clone())
+        .create(
+            &PostParams::default(),
+            &Namespace {
+                metadata: ObjectMeta {
+                    name: Some("pmem-csi".into()),
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+        )
+        .await;
+    let ns = testenv::test_namespace(&client, "rescheduler")
+        .await
+        .expect("ns");
+    let pmem = format!("{ns}-pmem");
+    let other = format!("{ns}-other");
+    class(&client, &pmem, DRIVER).await;
+    class(&client, &other, "other.csi.example.com").await;
+    // node-5 runs the driver until its Node object is deleted.
+    NodeSpec::with_driver(format!("{ns}-node-5"))
+        .create(&client, DRIVER)
+        .await
+        .expect("node-5");
+    let node5 = format!("{ns}-node-5");
+
+    let api = Api::<PersistentVolumeClaim>::namespaced(client.clone(), &ns);
+    let pp = PostParams::default();
+    let claims = [
+        (
+            "keep-driver-runs",
+            claim("keep-driver-runs", &ns, &pmem, Some("node-1"), None),
+        ),
+        (
+            "keep-labels-match",
+            claim("keep-labels-match", &ns, &pmem, Some("node-3"), None),
+        ),
+        (
+            "keep-csinode-lists-driver",
+            claim(
+                "keep-csinode-lists-driver",
+                &ns,
+                &pmem,
+                Some("node-4"),
+                None,
+            ),
+        ),
+        (
+            "keep-bound",
+            claim(
+                "keep-bound",
+                &ns,
+                &pmem,
+                Some("node-2"),
+                Some("pv-that-does-not-exist"),
+            ),
+        ),
+        (
+            "keep-other-driver",
+            claim("keep-other-driver", &ns, &other, Some("node-2"), None),
+        ),
+        (
+            "unset-driverless",
+            claim("unset-driverless", &ns, &pmem, Some("node-2"), None),
+        ),
+        (
+            "unset-node-deleted",
+            claim("unset-node-deleted", &ns, &pmem, Some(&node5), None),
+        ),
+    ];
+    for (_, c) in &claims {
+        api.create(&pp, c).await.expect("create claim");
+    }
+    Api::<Node>::all(client.clone())
+        .delete(&node5, &DeleteParams::default())
+        .await
+        .expect("delete node-5");
+
+    for name in ["unset-driverless", "unset-node-deleted"] {
+        until(&format!("{name} to lose {SELECTED}"), WAIT, || async {
+            match selected(&api, name).await {
+                None => Ok(()),
+                Some(n) => Err(format!("still selected for {n}")),
+            }
+        })
+        .await
+        .expect("rescheduled");
+    }
+    // Every claim was created before the unset ones were judged past their grace, so the
+    // others have been judged just as long: they must still be selected.
+    for (name, c) in &claims {
+        if name.starts_with("keep-") {
+            let want = c
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(SELECTED))
+                .cloned();
+            assert_eq!(
+                selected(&api, name).await,
+                want,
+                "{name} must be left alone"
+            );
+        }
+    }
+    let events = Api::<Event>::namespaced(client.clone(), &ns);
+    let rescheduled = until("Rescheduled events for both claims", WAIT, || async {
+        let list = events
+            .list(&ListParams::default())
+            .await
+            .map_err(|e| e.to_string())?;
+        let objects: Vec<String> = list
+            .items
+            .iter()
+            .filter(|e| e.reason.as_deref() == Some("Rescheduled"))
+            .filter_map(|e| e.involved_object.name.clone())
+            .collect();
+        if objects.contains(&"unset-driverless".to_string())
+            && objects.contains(&"unset-node-deleted".to_string())
+        {
+            Ok(objects)
+        } else {
+            Err(format!("events so far for {objects:?}"))
+        }
+    })
+    .await
+    .expect("events");
+    assert_eq!(
+        rescheduled.len(),
+        2,
+        "one event per rescheduled claim: {rescheduled:?}"
+    );
+
+    let text = metrics(f.metrics_port).await;
+    assert!(
+        counter(
+            &text,
+            "pmem_csi_rescheduler_decisions_total{verdict=\"unset\",reason=\"not-selected-no-csinode-entry\"}"
+        ) >= 1,
+        "{text}"
+    );
+    assert!(
+        counter(
+            &text,
+            "pmem_csi_rescheduler_decisions_total{verdict=\"unset\",reason=\"node-missing\"}"
+        ) >= 1,
+        "{text}"
+    );
+    let reconciles = counter(
+        &text,
+        "controller_runtime_reconcile_total{controller=\"rescheduler\",result=\"success\"}",
+    ) + counter(
+        &text,
+        "controller_runtime_reconcile_total{controller=\"rescheduler\",result=\"requeue_after\"}",
+    );
+    assert!(
+        reconciles >= claims.len() as u64,
+        "{reconciles} reconciles for {} claims:\n{text}",
+        claims.len()
+    );
+}
