@@ -79,6 +79,30 @@ async fn main() -> anyhow::Result<()> {
         let config = c.driver.validate()?;
         let serving = readiness.register("csi-server");
         let node = driver::NodeDriver::start(config, &mut registry)?;
+        if !node.config().standalone {
+            let client = kube::Client::try_default()
+                .await
+                .context("connecting to the apiserver (use --standalone to run without it)")?;
+            let publisher = controllers::capacity_publisher::CapacityPublisher::new(
+                client,
+                controllers::capacity_publisher::Publisher {
+                    driver: node.config().driver_name.clone(),
+                    namespace: node.config().namespace.clone(),
+                    node: node.config().node_id.clone(),
+                },
+                node.volumes().clone(),
+                controllers::reconcile_metrics::ReconcileMetrics::register(&mut registry),
+            );
+            let token = shutdown.clone();
+            work.spawn(async move {
+                publisher.run(token.clone()).await;
+                anyhow::ensure!(
+                    token.is_cancelled(),
+                    "the capacity publisher stopped unexpectedly"
+                );
+                Ok(())
+            });
+        }
         serving.set(true);
         let token = shutdown.clone();
         work.spawn(async move { node.serve(token).await.map_err(anyhow::Error::from) });

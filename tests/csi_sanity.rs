@@ -89,6 +89,7 @@ async fn sanity(
             "--device-mode=fake".into(),
             "--emulated-size=1Ti".into(),
             format!("--state-dir={}", dirs.state.display()),
+            "--standalone".into(),
         ]
     };
     args.extend(driver_args.iter().map(|a| a.to_string()));

@@ -84,6 +84,7 @@ async fn driver_samples(
         format!("--device-mode={mode}"),
         format!("--state-dir={}", dirs.state.display()),
         "--emulated-size=4Gi".into(),
+        "--standalone".into(),
     ];
     if mode == "emulated" {
         args.push(format!("--emulated-dir={}", dirs.region.display()));

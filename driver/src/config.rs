@@ -48,6 +48,14 @@ pub struct NodeArgs {
     /// File system when a volume capability names none.
     #[arg(long, value_enum, default_value_t = FsType::Ext4)]
     pub default_fs_type: FsType,
+
+    /// Run without the Kubernetes API: no capacity objects (for csi-sanity and local tests).
+    #[arg(long)]
+    pub standalone: bool,
+
+    /// The driver's namespace (capacity objects).
+    #[arg(long, env = "POD_NAMESPACE", default_value = "pmem-csi")]
+    pub namespace: String,
 }
 
 /// Validated node configuration.
@@ -71,6 +79,10 @@ pub struct NodeConfig {
     pub default_volume_size: u64,
     /// Default file system.
     pub default_fs_type: FsType,
+    /// No Kubernetes API.
+    pub standalone: bool,
+    /// Namespace of the capacity objects.
+    pub namespace: String,
 }
 
 /// A flag is missing, malformed or does not fit the mode.
@@ -163,6 +175,8 @@ impl NodeArgs {
             emulated_size,
             default_volume_size,
             default_fs_type: self.default_fs_type,
+            standalone: self.standalone,
+            namespace: self.namespace.clone(),
         })
     }
 }
@@ -182,6 +196,8 @@ mod tests {
             emulated_size: Some("1Gi".into()),
             default_volume_size: "64Mi".into(),
             default_fs_type: FsType::Ext4,
+            standalone: true,
+            namespace: "pmem-csi".into(),
         }
     }
 

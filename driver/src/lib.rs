@@ -121,6 +121,11 @@ impl NodeDriver {
         &self.volumes
     }
 
+    /// The validated configuration.
+    pub fn config(&self) -> &NodeConfig {
+        &self.config
+    }
+
     /// Serves CSI until `shutdown`, then lets in-flight RPCs finish.
     pub async fn serve(self, shutdown: CancellationToken) -> Result<(), DriverError> {
         let topology_key = format!("{}/node", self.config.driver_name);

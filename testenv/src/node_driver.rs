@@ -46,7 +46,7 @@ pub enum NodeDriverError {
     Timeout(#[from] Timeout),
 }
 
-/// Arguments of `pmem-csi node` for an emulated region of `size` under `dirs`; the admin
+/// Arguments of `pmem-csi node --standalone` for an emulated region of `size` under `dirs`; the admin
 /// server listens on a port of the kernel's choice unless the caller adds `--admin-address`.
 pub fn emulated_args(node: &str, dirs: &NodeDriverDirs, size: &str) -> Vec<String> {
     vec![
@@ -57,6 +57,7 @@ pub fn emulated_args(node: &str, dirs: &NodeDriverDirs, size: &str) -> Vec<Strin
         format!("--emulated-dir={}", dirs.region.display()),
         format!("--emulated-size={size}"),
         format!("--state-dir={}", dirs.state.display()),
+        "--standalone".into(),
     ]
 }
 

@@ -1,0 +1,335 @@
+//! The capacity publisher of a real `pmem-csi node` (fake backend) against testenv: objects per
+//! late-binding class with labels, annotations and the Node as owner; capacity follows creates;
+//! bursts are coalesced; objects go with their class, with the CSI server, and with the Node.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use driver::csi::controller_client::ControllerClient;
+use driver::csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
+use driver::csi::{CapacityRange, CreateVolumeRequest, VolumeCapability};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Namespace, Node};
+use k8s_openapi::api::storage::v1::{CSIStorageCapacity, StorageClass};
+use kube::Api;
+use kube::api::{DeleteParams, ObjectMeta, PostParams};
+use kube::runtime::watcher;
+use testenv::node_driver::NodeDriverDirs;
+use testenv::wait::until;
+use testenv::{NodeSpec, ProcessSpec, Supervised, TestEnv, TestEnvBuilder};
+
+const DRIVER: &str = "pmem-csi.intel.com";
+const NAMESPACE: &str = "pmem-csi";
+const WAIT: Duration = Duration::from_secs(60);
+const MI: u64 = 1 << 20;
+
+fn env() -> &'static TestEnv {
+    fn configure() -> TestEnvBuilder {
+        TestEnv::builder().nodes(2)
+    }
+    TestEnv::shared(configure)
+}
+
+async fn namespace(client: &kube::Client) {
+    let _ = Api::<Namespace>::all(client.clone())
+        .create(
+            &PostParams::default(),
+            &Namespace {
+                metadata: ObjectMeta {
+                    name: Some(NAMESPACE.into()),
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+        )
+        .await;
+}
+
+async fn class(client: &kube::Client, name: &str, mode: &str) {
+    Api::<StorageClass>::all(client.clone())
+        .create(
+            &PostParams::default(),
+            &StorageClass {
+                metadata: ObjectMeta {
+                    name: Some(name.into()),
+                    ..Default::default()
+                },
+                provisioner: DRIVER.into(),
+                volume_binding_mode: Some(mode.into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("class");
+}
+
+/// A supervised fake-backend node driver publishing for `node`.
+fn node_driver(env: &TestEnv, node: &str, dirs: &NodeDriverDirs) -> Supervised {
+    env.supervise(
+        ProcessSpec::new(
+            format!("{node}/pmem-csi"),
+            env!("CARGO_BIN_EXE_pmem-csi"),
+            format!("{node}-driver.log"),
+        )
+        .args([
+            "node".to_string(),
+            format!("--endpoint=unix://{}", dirs.socket.display()),
+            format!("--node-id={node}"),
+            "--device-mode=fake".into(),
+            "--emulated-size=1Gi".into(),
+            format!("--state-dir={}", dirs.state.display()),
+            format!("--namespace={NAMESPACE}"),
+            "--admin-address=127.0.0.1:0".into(),
+        ])
+        .env("KUBECONFIG", env.admin_kubeconfig()),
+    )
+}
+
+fn capability() -> VolumeCapability {
+    VolumeCapability {
+        access_mode: Some(AccessMode {
+            mode: Mode::SingleNodeWriter as i32,
+        }),
+        access_type: Some(AccessType::Mount(MountVolume::default())),
+    }
+}
+
+async fn create(client: &mut ControllerClient<tonic::transport::Channel>, name: &str, size: u64) {
+    client
+        .create_volume(CreateVolumeRequest {
+            name: name.into(),
+            capacity_range: Some(CapacityRange {
+                required_bytes: size as i64,
+                limit_bytes: 0,
+            }),
+            volume_capabilities: vec![capability()],
+            ..Default::default()
+        })
+        .await
+        .expect("create volume");
+}
+
+async fn capacity_of(api: &Api<CSIStorageCapacity>, name: &str) -> Result<u64, String> {
+    let o = api
+        .get_opt(name)
+        .await
+        .map_err(|e| e.to_string())?
+        .ok_or("no object yet")?;
+    o.capacity
+        .and_then(|q| q.0.parse().ok())
+        .ok_or_else(|| "no capacity".to_string())
+}
+
+#[tokio::test]
+async fn publishes_follows_coalesces_and_withdraws() {
+    let env = env();
+    let client = env.client().await.expect("client");
+    namespace(&client).await;
+    let ns = testenv::test_namespace(&client, "publisher")
+        .await
+        .expect("ns");
+    let late = format!("{ns}-late");
+    let immediate = format!("{ns}-immediate");
+    class(&client, &late, "WaitForFirstConsumer").await;
+    class(&client, &immediate, "Immediate").await;
+    let root = tempfile::tempdir().expect("tempdir");
+    let dirs = NodeDriverDirs::under(root.path());
+    let driver = node_driver(env, "node-1", &dirs);
+    testenv::node_driver::wait_for_path(&dirs.socket, WAIT)
+        .await
+        .expect("socket");
+    let mut csi = ControllerClient::new(
+        driver::client::connect(&dirs.socket)
+            .await
+            .expect("connect"),
+    );
+
+    let api = Api::<CSIStorageCapacity>::namespaced(client.clone(), NAMESPACE);
+    let name = controllers::capacity_publisher::object_name("node-1", &late);
+    let capacity = until(
+        "the capacity object of the late-binding class",
+        WAIT,
+        || capacity_of(&api, &name),
+    )
+    .await
+    .expect("published");
+    assert_eq!(capacity, 1 << 30);
+    let object = api.get(&name).await.expect("object");
+    let labels = object.metadata.labels.clone().unwrap_or_default();
+    assert_eq!(
+        labels
+            .get("csi.storage.k8s.io/drivername")
+            .map(String::as_str),
+        Some(DRIVER)
+    );
+    assert_eq!(
+        labels
+            .get("csi.storage.k8s.io/managed-by")
+            .map(String::as_str),
+        Some("pmem-csi-node-1")
+    );
+    let annotations = object.metadata.annotations.clone().unwrap_or_default();
+    assert_eq!(
+        annotations
+            .get("pmem-csi.intel.com/managed-bytes")
+            .map(String::as_str),
+        Some("1073741824")
+    );
+    assert_eq!(
+        annotations
+            .get("pmem-csi.intel.com/alignment-bytes")
+            .map(String::as_str),
+        Some("4194304")
+    );
+    assert_eq!(
+        annotations
+            .get("pmem-csi.intel.com/free-extents")
+            .map(String::as_str),
+        Some("1073741824")
+    );
+    let owner = object.metadata.owner_references.clone().unwrap_or_default();
+    assert_eq!(
+        owner.first().map(|o| (o.kind.as_str(), o.name.as_str())),
+        Some(("Node", "node-1"))
+    );
+    let immediate_name = controllers::capacity_publisher::object_name("node-1", &immediate);
+    assert!(
+        api.get_opt(&immediate_name).await.expect("get").is_none(),
+        "no object for Immediate classes"
+    );
+
+    create(&mut csi, &format!("{ns}-one"), 64 * MI).await;
+    until("capacity to drop by 64 MiB", WAIT, || async {
+        match capacity_of(&api, &name).await? {
+            c if c == (1 << 30) - 64 * MI => Ok(()),
+            c => Err(format!("capacity {c}")),
+        }
+    })
+    .await
+    .expect("capacity follows the create");
+
+    // A burst of 50 creates: count the writes the watch sees.
+    let writes = Arc::new(AtomicUsize::new(0));
+    let counter = writes.clone();
+    let listed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let listed_flag = listed.clone();
+    let watched = api.clone();
+    let field = format!("metadata.name={name}");
+    let watch = tokio::spawn(async move {
+        let mut events = watcher(watched, watcher::Config::default().fields(&field)).boxed();
+        let mut last_rv = None;
+        while let Some(Ok(event)) = events.next().await {
+            if let watcher::Event::Apply(o) = event {
+                if last_rv.is_some() && last_rv != o.metadata.resource_version {
+                    counter.fetch_add(1, Ordering::SeqCst);
+                }
+                last_rv = o.metadata.resource_version.clone();
+            } else if let watcher::Event::InitApply(o) = event {
+                last_rv = o.metadata.resource_version.clone();
+            } else if let watcher::Event::InitDone = event {
+                listed_flag.store(true, Ordering::SeqCst);
+            }
+        }
+    });
+    // The watch lists the object first, so that it only counts what follows.
+    until("the watch to list the object", WAIT, || async {
+        if listed.load(Ordering::SeqCst) {
+            Ok(())
+        } else {
+            Err("listing".to_string())
+        }
+    })
+    .await
+    .expect("watch ready");
+    for i in 0..50 {
+        create(&mut csi, &format!("{ns}-burst-{i}"), 4 * MI).await;
+    }
+    let after_burst = (1 << 30) - 64 * MI - 50 * 4 * MI;
+    until("capacity after the burst", WAIT, || async {
+        match capacity_of(&api, &name).await? {
+            c if c == after_burst => Ok(()),
+            c => Err(format!("capacity {c}")),
+        }
+    })
+    .await
+    .expect("capacity after the burst");
+    let burst_writes = writes.load(Ordering::SeqCst);
+    watch.abort();
+    println!("50 creates caused {burst_writes} writes to the capacity object");
+    assert!(
+        burst_writes <= 10,
+        "50 creates caused {burst_writes} writes"
+    );
+    assert!(burst_writes >= 1, "the burst must be published");
+
+    Api::<StorageClass>::all(client.clone())
+        .delete(&late, &DeleteParams::default())
+        .await
+        .expect("delete class");
+    until("the deleted class's object to go", WAIT, || async {
+        match api.get_opt(&name).await.map_err(|e| e.to_string())? {
+            None => Ok(()),
+            Some(_) => Err("still there".to_string()),
+        }
+    })
+    .await
+    .expect("object of a deleted class removed");
+
+    // Stopping the CSI server withdraws the node's objects.
+    class(&client, &late, "WaitForFirstConsumer").await;
+    until("the object to come back with the class", WAIT, || {
+        capacity_of(&api, &name)
+    })
+    .await
+    .expect("back");
+    let stopped = driver.stop().await;
+    assert!(stopped.stopped);
+    assert!(
+        api.get_opt(&name).await.expect("get").is_none(),
+        "withdrawn on stop"
+    );
+}
+
+#[tokio::test]
+async fn objects_follow_their_node_to_the_garbage_collector() {
+    let env = env();
+    let client = env.client().await.expect("client");
+    namespace(&client).await;
+    let ns = testenv::test_namespace(&client, "publisher-gc")
+        .await
+        .expect("ns");
+    let node = format!("{ns}-node");
+    NodeSpec::with_driver(&node)
+        .create(&client, DRIVER)
+        .await
+        .expect("node");
+    let late = format!("{ns}-late");
+    class(&client, &late, "WaitForFirstConsumer").await;
+    let root = tempfile::tempdir().expect("tempdir");
+    let dirs = NodeDriverDirs::under(root.path());
+    let driver = node_driver(env, &node, &dirs);
+    let api = Api::<CSIStorageCapacity>::namespaced(client.clone(), NAMESPACE);
+    let name = controllers::capacity_publisher::object_name(&node, &late);
+    until("published", WAIT, || capacity_of(&api, &name))
+        .await
+        .expect("published");
+    // The driver stays up; only the Node goes: the garbage collector takes the objects.
+    Api::<Node>::all(client.clone())
+        .delete(&node, &DeleteParams::background())
+        .await
+        .expect("delete node");
+    until(
+        "the garbage collector to remove the object",
+        WAIT,
+        || async {
+            match api.get_opt(&name).await.map_err(|e| e.to_string())? {
+                None => Ok(()),
+                Some(_) => Err("still there".to_string()),
+            }
+        },
+    )
+    .await
+    .expect("collected with the node");
+    driver.stop().await;
+}
