@@ -311,3 +311,84 @@ async fn unsets_selected_node_only_where_the_driver_definitely_does_not_run() {
         claims.len()
     );
 }
+
+fn capacity_object(
+    name: &str,
+    class: &str,
+    node: &str,
+) -> k8s_openapi::api::storage::v1::CSIStorageCapacity {
+    k8s_openapi::api::storage::v1::CSIStorageCapacity {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some("pmem-csi".into()),
+            labels: Some(BTreeMap::from([(
+                "csi.storage.k8s.io/drivername".to_string(),
+                DRIVER.to_string(),
+            )])),
+            ..Default::default()
+        },
+        storage_class_name: class.into(),
+        node_topology: Some(
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector {
+                match_labels: Some(BTreeMap::from([(
+                    format!("{DRIVER}/node"),
+                    node.to_string(),
+                )])),
+                ..Default::default()
+            },
+        ),
+        capacity: Some(Quantity("1Gi".into())),
+        maximum_volume_size: None,
+    }
+}
+
+#[tokio::test]
+async fn cleans_up_capacity_of_driverless_nodes_and_deleted_classes() {
+    use k8s_openapi::api::storage::v1::CSIStorageCapacity;
+    let f = fixture();
+    let client = f.env.client().await.expect("client");
+    let _ = Api::<Namespace>::all(client.clone())
+        .create(
+            &PostParams::default(),
+            &Namespace {
+                metadata: ObjectMeta {
+                    name: Some("pmem-csi".into()),
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+        )
+        .await;
+    let ns = testenv::test_namespace(&client, "cleanup")
+        .await
+        .expect("ns");
+    let pmem = format!("{ns}-pmem");
+    class(&client, &pmem, DRIVER).await;
+    let api = Api::<CSIStorageCapacity>::namespaced(client.clone(), "pmem-csi");
+    let keep = format!("{ns}-keep");
+    let driverless = format!("{ns}-driverless");
+    let no_class = format!("{ns}-no-class");
+    for o in [
+        capacity_object(&keep, &pmem, "node-1"),
+        capacity_object(&driverless, &pmem, "node-2"),
+        capacity_object(&no_class, &format!("{ns}-deleted-class"), "node-1"),
+    ] {
+        api.create(&PostParams::default(), &o)
+            .await
+            .expect("capacity object");
+    }
+    for name in [&driverless, &no_class] {
+        until(&format!("{name} to be cleaned up"), WAIT, || async {
+            match api.get_opt(name).await.map_err(|e| e.to_string())? {
+                None => Ok(()),
+                Some(_) => Err("still there".to_string()),
+            }
+        })
+        .await
+        .expect("cleaned up");
+    }
+    assert!(
+        api.get_opt(&keep).await.expect("get").is_some(),
+        "capacity of a node with the driver stays"
+    );
+}

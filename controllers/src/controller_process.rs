@@ -205,6 +205,13 @@ impl ControllerProcess {
             controller: "pmem-csi-controller".into(),
             instance: std::env::var("POD_NAME").ok(),
         };
+        self.tasks.spawn(crate::capacity_cleanup::run(
+            self.client.clone(),
+            self.stores.clone(),
+            liveness.clone(),
+            self.reconciles.clone(),
+            shutdown.clone(),
+        ));
         let rescheduler = Rescheduler::new(
             self.client.clone(),
             self.stores.clone(),
