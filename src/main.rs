@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use controllers::{AdminServer, LogFormat, Readiness};
+use futures::FutureExt;
 use prometheus_client::registry::Registry;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
@@ -84,7 +85,7 @@ async fn main() -> anyhow::Result<()> {
                 .await
                 .context("connecting to the apiserver (use --standalone to run without it)")?;
             let publisher = controllers::capacity_publisher::CapacityPublisher::new(
-                client,
+                client.clone(),
                 controllers::capacity_publisher::Publisher {
                     driver: node.config().driver_name.clone(),
                     namespace: node.config().namespace.clone(),
@@ -93,6 +94,20 @@ async fn main() -> anyhow::Result<()> {
                 node.volumes().clone(),
                 controllers::reconcile_metrics::ReconcileMetrics::register(&mut registry),
             );
+            if let Some(period) = node.config().heartbeat_period {
+                let c = node.config();
+                work.spawn(
+                    controllers::heartbeat::run(
+                        client.clone(),
+                        c.driver_name.clone(),
+                        c.node_id.clone(),
+                        c.namespace.clone(),
+                        period,
+                        shutdown.clone(),
+                    )
+                    .map(Ok),
+                );
+            }
             let token = shutdown.clone();
             work.spawn(async move {
                 publisher.run(token.clone()).await;

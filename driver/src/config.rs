@@ -53,9 +53,13 @@ pub struct NodeArgs {
     #[arg(long)]
     pub standalone: bool,
 
-    /// The driver's namespace (capacity objects).
+    /// The driver's namespace (capacity objects, heartbeat Lease).
     #[arg(long, env = "POD_NAMESPACE", default_value = "pmem-csi")]
     pub namespace: String,
+
+    /// How often the heartbeat Lease is renewed (`0s` disables the heartbeat).
+    #[arg(long, default_value = "10s")]
+    pub heartbeat_period: String,
 }
 
 /// Validated node configuration.
@@ -83,6 +87,8 @@ pub struct NodeConfig {
     pub standalone: bool,
     /// Namespace of the capacity objects.
     pub namespace: String,
+    /// Heartbeat renew period; `None` disables it.
+    pub heartbeat_period: Option<std::time::Duration>,
 }
 
 /// A flag is missing, malformed or does not fit the mode.
@@ -177,6 +183,11 @@ impl NodeArgs {
             default_fs_type: self.default_fs_type,
             standalone: self.standalone,
             namespace: self.namespace.clone(),
+            heartbeat_period: {
+                let d = controllers::duration::parse_duration(&self.heartbeat_period)
+                    .map_err(|e| invalid("heartbeat-period", e))?;
+                (!d.is_zero()).then_some(d)
+            },
         })
     }
 }
@@ -198,6 +209,7 @@ mod tests {
             default_fs_type: FsType::Ext4,
             standalone: true,
             namespace: "pmem-csi".into(),
+            heartbeat_period: "10s".into(),
         }
     }
 

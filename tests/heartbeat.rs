@@ -1,0 +1,206 @@
+//! Heartbeat mode: a controller started with `--heartbeat-grace` reschedules claims of a node
+//! whose driver stopped renewing its Lease, even though the Node, its labels and its CSINode
+//! entry remain; a driver restarted within the grace keeps its claims.
+
+use std::collections::BTreeMap;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{
+    Namespace, PersistentVolumeClaim, PersistentVolumeClaimSpec, VolumeResourceRequirements,
+};
+use k8s_openapi::api::storage::v1::StorageClass;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::Api;
+use kube::api::{ObjectMeta, PostParams};
+use testenv::node_driver::NodeDriverDirs;
+use testenv::wait::until;
+use testenv::{NodeSpec, ProcessSpec, Supervised, TestEnv, TestEnvBuilder};
+
+const DRIVER: &str = "pmem-csi.intel.com";
+const SELECTED: &str = "volume.kubernetes.io/selected-node";
+const WAIT: Duration = Duration::from_secs(60);
+
+struct Fixture {
+    env: &'static TestEnv,
+    _controller: Supervised,
+}
+
+fn fixture() -> &'static Fixture {
+    static FIXTURE: OnceLock<Fixture> = OnceLock::new();
+    FIXTURE.get_or_init(|| {
+        fn configure() -> TestEnvBuilder {
+            TestEnv::builder().nodes(1)
+        }
+        let env = TestEnv::shared(configure);
+        let controller = env.supervise(
+            ProcessSpec::new(
+                "pmem-csi controller",
+                env!("CARGO_BIN_EXE_pmem-csi"),
+                "controller.log",
+            )
+            .args([
+                "controller",
+                "--node-selector=storage=pmem",
+                "--reschedule-grace=2s",
+                "--heartbeat-grace=1s",
+                "--namespace=pmem-csi",
+                "--admin-address=127.0.0.1:0",
+            ])
+            .env("KUBECONFIG", env.admin_kubeconfig()),
+        );
+        Fixture {
+            env,
+            _controller: controller,
+        }
+    })
+}
+
+fn node_driver(env: &TestEnv, node: &str, dirs: &NodeDriverDirs) -> Supervised {
+    env.supervise(
+        ProcessSpec::new(
+            format!("{node}/pmem-csi"),
+            env!("CARGO_BIN_EXE_pmem-csi"),
+            format!("{node}-driver.log"),
+        )
+        .args([
+            "node".to_string(),
+            format!("--endpoint=unix://{}", dirs.socket.display()),
+            format!("--node-id={node}"),
+            "--device-mode=fake".into(),
+            "--emulated-size=1Gi".into(),
+            format!("--state-dir={}", dirs.state.display()),
+            "--namespace=pmem-csi".into(),
+            "--heartbeat-period=1s".into(),
+            "--admin-address=127.0.0.1:0".into(),
+        ])
+        .env("KUBECONFIG", env.admin_kubeconfig()),
+    )
+}
+
+fn claim(name: &str, ns: &str, class: &str, node: &str) -> PersistentVolumeClaim {
+    PersistentVolumeClaim {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(ns.into()),
+            annotations: Some(BTreeMap::from([(SELECTED.to_string(), node.to_string())])),
+            ..Default::default()
+        },
+        spec: Some(PersistentVolumeClaimSpec {
+            access_modes: Some(vec!["ReadWriteOnce".into()]),
+            storage_class_name: Some(class.into()),
+            resources: Some(VolumeResourceRequirements {
+                requests: Some(BTreeMap::from([(
+                    "storage".to_string(),
+                    Quantity("1Gi".into()),
+                )])),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+async fn selected(api: &Api<PersistentVolumeClaim>, name: &str) -> Option<String> {
+    api.get(name)
+        .await
+        .ok()?
+        .metadata
+        .annotations?
+        .get(SELECTED)
+        .cloned()
+}
+
+async fn wait_unselected(api: &Api<PersistentVolumeClaim>, name: &str) {
+    until(&format!("{name} to lose {SELECTED}"), WAIT, || async {
+        match selected(api, name).await {
+            None => Ok(()),
+            Some(n) => Err(format!("still selected for {n}")),
+        }
+    })
+    .await
+    .expect("rescheduled");
+}
+
+#[tokio::test]
+async fn stopped_driver_loses_its_claims_restarted_one_keeps_them() {
+    let f = fixture();
+    let client = f.env.client().await.expect("client");
+    let _ = Api::<Namespace>::all(client.clone())
+        .create(
+            &PostParams::default(),
+            &Namespace {
+                metadata: ObjectMeta {
+                    name: Some("pmem-csi".into()),
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+        )
+        .await;
+    let ns = testenv::test_namespace(&client, "heartbeat")
+        .await
+        .expect("ns");
+    let class = format!("{ns}-pmem");
+    Api::<StorageClass>::all(client.clone())
+        .create(
+            &PostParams::default(),
+            &StorageClass {
+                metadata: ObjectMeta {
+                    name: Some(class.clone()),
+                    ..Default::default()
+                },
+                provisioner: DRIVER.into(),
+                volume_binding_mode: Some("WaitForFirstConsumer".into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("class");
+    let root = tempfile::tempdir().expect("tempdir");
+    let dirs = NodeDriverDirs::under(root.path());
+    let driver = node_driver(f.env, "node-1", &dirs);
+    let leases = Api::<Lease>::namespaced(client.clone(), "pmem-csi");
+    until("the heartbeat Lease", WAIT, || async {
+        leases
+            .get_opt("pmem-csi-intel-com-node-node-1")
+            .await
+            .map_err(|e| e.to_string())?
+            .map(|_| ())
+            .ok_or_else(|| "no lease yet".to_string())
+    })
+    .await
+    .expect("heartbeat");
+
+    let api = Api::<PersistentVolumeClaim>::namespaced(client.clone(), &ns);
+    let pp = PostParams::default();
+    api.create(&pp, &claim("kept", &ns, &class, "node-1"))
+        .await
+        .expect("claim");
+
+    // A restart within the grace: the Lease never expires.
+    driver.stop().await;
+    let driver = node_driver(f.env, "node-1", &dirs);
+    // A node with labels and CSINode entry but no heartbeat at all, created now: its claim
+    // is rescheduled one grace from now, by which time the restart's gap must not count.
+    let silent = format!("{ns}-silent");
+    NodeSpec::with_driver(&silent)
+        .create(&client, DRIVER)
+        .await
+        .expect("node");
+    api.create(&pp, &claim("silent", &ns, &class, &silent))
+        .await
+        .expect("claim");
+    wait_unselected(&api, "silent").await;
+    assert_eq!(
+        selected(&api, "kept").await.as_deref(),
+        Some("node-1"),
+        "restarted within the grace"
+    );
+
+    // Stopped for good: the Lease expires and the claim is rescheduled.
+    driver.stop().await;
+    wait_unselected(&api, "kept").await;
+}
