@@ -1,7 +1,11 @@
 //! `pmem-csi controller`: its flags, and the process that hosts the cluster-level concerns on
 //! one client and one set of shared caches.
 
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
+
+use futures::StreamExt;
+use tokio::sync::mpsc;
 
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, PersistentVolumeClaim};
@@ -15,6 +19,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::duration::parse_duration;
+use crate::leader::{LeaderMetrics, LeaderSettings};
 use crate::liveness_view::{LivenessSettings, LivenessView};
 use crate::node_selector::NodeSelector;
 use crate::readiness::{Readiness, ReadyFlag};
@@ -45,9 +50,25 @@ pub struct ControllerArgs {
     #[arg(long)]
     pub heartbeat_grace: Option<String>,
 
-    /// The driver's namespace (heartbeat Leases, Events).
+    /// The driver's namespace (heartbeat Leases, Events, leader election Leases).
     #[arg(long, env = "POD_NAMESPACE", default_value = "pmem-csi")]
     pub namespace: String,
+
+    /// Run the rescheduler and the capacity clean-up only while leading (one Lease each).
+    #[arg(long)]
+    pub leader_election: bool,
+
+    /// How long a leader Lease is valid without renewal.
+    #[arg(long, default_value = "15s")]
+    pub leader_election_lease_duration: String,
+
+    /// How often the leader renews and standbys check.
+    #[arg(long, default_value = "2s")]
+    pub leader_election_retry_period: String,
+
+    /// This instance's identity in leader Leases (default: POD_NAME, else host name and pid).
+    #[arg(long, env = "POD_NAME")]
+    pub leader_election_identity: Option<String>,
 }
 
 /// Validated controller configuration.
@@ -63,6 +84,8 @@ pub struct ControllerConfig {
     pub heartbeat_grace: Option<Duration>,
     /// Driver namespace.
     pub namespace: String,
+    /// Leader election timing and identity, when enabled.
+    pub leader_election: Option<(Duration, Duration, String)>,
 }
 
 /// A flag that does not validate.
@@ -98,12 +121,32 @@ impl ControllerArgs {
         if self.namespace.is_empty() {
             return Err(err("namespace", "must not be empty".into()));
         }
+        let leader_election = if self.leader_election {
+            let duration = parse_duration(&self.leader_election_lease_duration)
+                .map_err(|e| err("leader-election-lease-duration", e))?;
+            let retry = parse_duration(&self.leader_election_retry_period)
+                .map_err(|e| err("leader-election-retry-period", e))?;
+            if retry.is_zero() || retry >= duration {
+                return Err(err(
+                    "leader-election-retry-period",
+                    "must be above zero and below --leader-election-lease-duration".into(),
+                ));
+            }
+            let identity = self.leader_election_identity.clone().unwrap_or_else(|| {
+                let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+                format!("{}-{}", host.trim(), std::process::id())
+            });
+            Some((duration, retry, identity))
+        } else {
+            None
+        };
         Ok(ControllerConfig {
             driver_name: self.driver_name.clone(),
             node_selector,
             reschedule_grace,
             heartbeat_grace,
             namespace: self.namespace.clone(),
+            leader_election,
         })
     }
 }
@@ -126,6 +169,7 @@ pub struct ControllerProcess {
     synced: ReadyFlag,
     rescheduler_metrics: ReschedulerMetrics,
     reconciles: ReconcileMetrics,
+    leader_metrics: LeaderMetrics,
 }
 
 impl ControllerProcess {
@@ -174,6 +218,7 @@ impl ControllerProcess {
             synced: readiness.register("stores-synced"),
             rescheduler_metrics: ReschedulerMetrics::register(registry),
             reconciles: ReconcileMetrics::register(registry),
+            leader_metrics: LeaderMetrics::register(registry),
         })
     }
 
@@ -205,22 +250,110 @@ impl ControllerProcess {
             controller: "pmem-csi-controller".into(),
             instance: std::env::var("POD_NAME").ok(),
         };
-        self.tasks.spawn(crate::capacity_cleanup::run(
+        // Leader-only concerns; without leader election every instance leads.
+        let leading = |concern: &str,
+                       tasks: &mut JoinSet<()>|
+         -> tokio::sync::watch::Receiver<bool> {
+            match &self.config.leader_election {
+                None => tokio::sync::watch::channel(true).1,
+                Some((duration, retry, identity)) => {
+                    let (rx, election) = crate::leader::elect(
+                        self.client.clone(),
+                        LeaderSettings {
+                            name: crate::names::shorten(
+                                &format!("{}-{concern}", self.config.driver_name.replace('.', "-")),
+                                63,
+                            ),
+                            namespace: self.config.namespace.clone(),
+                            identity: identity.clone(),
+                            lease_duration: *duration,
+                            retry_period: *retry,
+                        },
+                        self.leader_metrics.clone(),
+                        shutdown.clone(),
+                    );
+                    tasks.spawn(election);
+                    rx
+                }
+            }
+        };
+        let mut elections = JoinSet::new();
+        let cleanup_leading = leading("capacity-cleanup", &mut elections);
+        let rescheduler_leading = leading("rescheduler", &mut elections);
+        let (client, stores, cleanup_liveness, reconciles) = (
             self.client.clone(),
             self.stores.clone(),
             liveness.clone(),
             self.reconciles.clone(),
+        );
+        self.tasks.spawn(crate::leader::while_leading(
+            cleanup_leading,
             shutdown.clone(),
+            move |term| {
+                crate::capacity_cleanup::run(
+                    client.clone(),
+                    stores.clone(),
+                    cleanup_liveness.clone(),
+                    reconciles.clone(),
+                    term,
+                )
+            },
         ));
-        let rescheduler = Rescheduler::new(
+        // The shared claim watch must always be drained, or it would stall every cache of the
+        // process; its events go to the rescheduler only while it leads.
+        let term_sender: Arc<Mutex<Option<mpsc::Sender<Arc<PersistentVolumeClaim>>>>> =
+            Arc::default();
+        let forward_to = term_sender.clone();
+        let mut claim_events = self.claim_events;
+        self.tasks.spawn(async move {
+            while let Some(claim) = claim_events.next().await {
+                let sender = forward_to
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .clone();
+                if let Some(sender) = sender {
+                    let _ = sender.send(claim).await;
+                }
+            }
+        });
+        let (client, stores, metrics, reconciles) = (
             self.client.clone(),
             self.stores.clone(),
-            liveness,
-            reporter,
             self.rescheduler_metrics.clone(),
             self.reconciles.clone(),
         );
-        rescheduler.run(self.claim_events, shutdown.clone()).await;
+        crate::leader::while_leading(rescheduler_leading, shutdown.clone(), move |term| {
+            let (tx, rx) = mpsc::channel(4096);
+            // A new leader starts from everything cached, not only from what changes next.
+            let seed = tx.clone();
+            let existing = stores.claims.state();
+            tokio::spawn(async move {
+                for claim in existing {
+                    if seed.send(claim).await.is_err() {
+                        return;
+                    }
+                }
+            });
+            *term_sender.lock().unwrap_or_else(PoisonError::into_inner) = Some(tx);
+            let rescheduler = Rescheduler::new(
+                client.clone(),
+                stores.clone(),
+                liveness.clone(),
+                reporter.clone(),
+                metrics.clone(),
+                reconciles.clone(),
+            );
+            let slot = term_sender.clone();
+            async move {
+                rescheduler
+                    .run(tokio_stream::wrappers::ReceiverStream::new(rx), term)
+                    .await;
+                *slot.lock().unwrap_or_else(PoisonError::into_inner) = None;
+            }
+        })
+        .await;
+        // Let the elections release their Leases.
+        while elections.join_next().await.is_some() {}
         self.tasks.abort_all();
     }
 }
@@ -236,6 +369,10 @@ mod tests {
             reschedule_grace: "30s".into(),
             heartbeat_grace: None,
             namespace: "pmem-csi".into(),
+            leader_election: false,
+            leader_election_lease_duration: "15s".into(),
+            leader_election_retry_period: "2s".into(),
+            leader_election_identity: None,
         }
     }
 

@@ -8,6 +8,7 @@ pub mod capacity_source;
 pub mod controller_process;
 pub mod duration;
 pub mod heartbeat;
+pub mod leader;
 pub mod liveness;
 pub mod liveness_view;
 pub mod logging;

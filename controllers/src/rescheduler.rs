@@ -13,7 +13,7 @@ use k8s_openapi::api::storage::v1::StorageClass;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use kube::runtime::reflector::{ObjectRef, ReflectHandle, Store};
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Api, Resource};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -274,10 +274,10 @@ impl Rescheduler {
         }
     }
 
-    /// Runs until `shutdown`, triggered by the shared claim watch.
+    /// Runs until `shutdown`, triggered by claims from the shared claim watch.
     pub async fn run(
         self,
-        trigger: ReflectHandle<PersistentVolumeClaim>,
+        trigger: impl futures::Stream<Item = Arc<PersistentVolumeClaim>> + Send + 'static,
         shutdown: CancellationToken,
     ) {
         let claims = self.stores.claims.clone();

@@ -1,0 +1,226 @@
+//! Two `pmem-csi controller` processes with leader election: only the leader reschedules; when
+//! it is killed with SIGKILL, the other takes over and handles new claims.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{
+    Event, Namespace, PersistentVolumeClaim, PersistentVolumeClaimSpec, VolumeResourceRequirements,
+};
+use k8s_openapi::api::storage::v1::StorageClass;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::Api;
+use kube::api::{ListParams, ObjectMeta, PostParams};
+use rustix::process::Signal;
+use testenv::wait::until;
+use testenv::{NodeSpec, ProcessSpec, Supervised, TestEnv, TestEnvBuilder};
+
+const DRIVER: &str = "pmem-csi.intel.com";
+const SELECTED: &str = "volume.kubernetes.io/selected-node";
+const LEASE: &str = "pmem-csi-intel-com-rescheduler";
+const WAIT: Duration = Duration::from_secs(60);
+
+fn env() -> &'static TestEnv {
+    fn configure() -> TestEnvBuilder {
+        TestEnv::builder().node(NodeSpec::driverless("node-1"))
+    }
+    TestEnv::shared(configure)
+}
+
+fn controller(env: &TestEnv, identity: &str, port: u16) -> Supervised {
+    env.supervise(
+        ProcessSpec::new(
+            format!("controller-{identity}"),
+            env!("CARGO_BIN_EXE_pmem-csi"),
+            format!("controller-{identity}.log"),
+        )
+        .args([
+            "controller".to_string(),
+            "--node-selector=storage=pmem".into(),
+            "--reschedule-grace=1s".into(),
+            "--namespace=pmem-csi".into(),
+            "--leader-election".into(),
+            "--leader-election-lease-duration=3s".into(),
+            "--leader-election-retry-period=500ms".into(),
+            format!("--leader-election-identity={identity}"),
+            format!("--admin-address=127.0.0.1:{port}"),
+        ])
+        .env("KUBECONFIG", env.admin_kubeconfig()),
+    )
+}
+
+fn claim(name: &str, ns: &str, class: &str) -> PersistentVolumeClaim {
+    PersistentVolumeClaim {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(ns.into()),
+            annotations: Some(BTreeMap::from([(
+                SELECTED.to_string(),
+                "node-1".to_string(),
+            )])),
+            ..Default::default()
+        },
+        spec: Some(PersistentVolumeClaimSpec {
+            access_modes: Some(vec!["ReadWriteOnce".into()]),
+            storage_class_name: Some(class.into()),
+            resources: Some(VolumeResourceRequirements {
+                requests: Some(BTreeMap::from([(
+                    "storage".to_string(),
+                    Quantity("1Gi".into()),
+                )])),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+async fn holder(leases: &Api<Lease>) -> Result<String, String> {
+    leases
+        .get_opt(LEASE)
+        .await
+        .map_err(|e| e.to_string())?
+        .and_then(|l| l.spec?.holder_identity)
+        .ok_or_else(|| "no holder yet".to_string())
+}
+
+async fn rescheduled(api: &Api<PersistentVolumeClaim>, name: &str) {
+    until(&format!("{name} to be rescheduled"), WAIT, || async {
+        let c = api.get(name).await.map_err(|e| e.to_string())?;
+        match c
+            .metadata
+            .annotations
+            .and_then(|a| a.get(SELECTED).cloned())
+        {
+            None => Ok(()),
+            Some(n) => Err(format!("still selected for {n}")),
+        }
+    })
+    .await
+    .expect("rescheduled");
+}
+
+async fn status(port: u16) -> String {
+    let client =
+        testenv::control_plane::anonymous_probe(&format!("http://127.0.0.1:{port}"), "metrics")
+            .expect("client");
+    client
+        .request_text(
+            http::Request::get("/metrics")
+                .body(Vec::new())
+                .expect("request"),
+        )
+        .await
+        .unwrap_or_default()
+}
+
+#[tokio::test]
+async fn only_the_leader_acts_and_a_standby_takes_over() {
+    let env = env();
+    let client = env.client().await.expect("client");
+    let _ = Api::<Namespace>::all(client.clone())
+        .create(
+            &PostParams::default(),
+            &Namespace {
+                metadata: ObjectMeta {
+                    name: Some("pmem-csi".into()),
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+        )
+        .await;
+    let ns = testenv::test_namespace(&client, "leader")
+        .await
+        .expect("ns");
+    let class = format!("{ns}-pmem");
+    Api::<StorageClass>::all(client.clone())
+        .create(
+            &PostParams::default(),
+            &StorageClass {
+                metadata: ObjectMeta {
+                    name: Some(class.clone()),
+                    ..Default::default()
+                },
+                provisioner: DRIVER.into(),
+                volume_binding_mode: Some("WaitForFirstConsumer".into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("class");
+    let ports = [
+        testenv::ports::free_port().expect("port"),
+        testenv::ports::free_port().expect("port"),
+    ];
+    let a = controller(env, "a", ports[0]);
+    let b = controller(env, "b", ports[1]);
+    let leases = Api::<Lease>::namespaced(client.clone(), "pmem-csi");
+    let first = until("a leader", WAIT, || holder(&leases))
+        .await
+        .expect("leader");
+    let (leader, standby, leader_port, standby_port) = if first == "a" {
+        (a, b, ports[0], ports[1])
+    } else {
+        (b, a, ports[1], ports[0])
+    };
+
+    let api = Api::<PersistentVolumeClaim>::namespaced(client.clone(), &ns);
+    api.create(&PostParams::default(), &claim("first", &ns, &class))
+        .await
+        .expect("claim");
+    rescheduled(&api, "first").await;
+    let events = Api::<Event>::namespaced(client.clone(), &ns)
+        .list(&ListParams::default())
+        .await
+        .expect("events");
+    let count = events
+        .items
+        .iter()
+        .filter(|e| e.reason.as_deref() == Some("Rescheduled"))
+        .count();
+    assert_eq!(count, 1, "only the leader patches and reports");
+    let unset = "pmem_csi_rescheduler_decisions_total{verdict=\"unset\",reason=\"not-selected-no-csinode-entry\"}";
+    let leader_metrics = status(leader_port).await;
+    assert!(
+        leader_metrics.contains(&format!("{unset} 1")),
+        "{leader_metrics}"
+    );
+    assert!(
+        leader_metrics.contains(&format!(
+            "leader_election_master_status{{name=\"{LEASE}\"}} 1"
+        )),
+        "{leader_metrics}"
+    );
+    let standby_metrics = status(standby_port).await;
+    assert!(
+        standby_metrics.contains(&format!("{unset} 0")),
+        "the standby decided nothing:\n{standby_metrics}"
+    );
+    assert!(
+        standby_metrics.contains(&format!(
+            "leader_election_master_status{{name=\"{LEASE}\"}} 0"
+        )),
+        "{standby_metrics}"
+    );
+
+    leader.signal(Signal::KILL).expect("SIGKILL the leader");
+    // Keep it down: a restart under the same identity would simply renew its own Lease.
+    leader.stop().await;
+    let second = until("the standby to take over", WAIT, || async {
+        match holder(&leases).await? {
+            h if h != first => Ok(h),
+            h => Err(format!("still held by {h}")),
+        }
+    })
+    .await
+    .expect("takeover");
+    assert_ne!(second, first);
+    api.create(&PostParams::default(), &claim("second", &ns, &class))
+        .await
+        .expect("claim");
+    rescheduled(&api, "second").await;
+    standby.stop().await;
+}
