@@ -200,19 +200,18 @@ pub fn elect(
         }
         if *tx.borrow() {
             // Release: an empty holder lets a standby take over without waiting for expiry.
-            if let Ok(Some(mut lease)) = api.get_opt(&settings.name).await {
-                if let Some(spec) = lease
+            if let Ok(Some(mut lease)) = api.get_opt(&settings.name).await
+                && let Some(spec) = lease
                     .spec
                     .as_mut()
                     .filter(|s| s.holder_identity.as_deref() == Some(me.as_str()))
+            {
+                spec.holder_identity = None;
+                if let Err(e) = api
+                    .replace(&settings.name, &PostParams::default(), &lease)
+                    .await
                 {
-                    spec.holder_identity = None;
-                    if let Err(e) = api
-                        .replace(&settings.name, &PostParams::default(), &lease)
-                        .await
-                    {
-                        tracing::warn!(lease = settings.name, "releasing the lease: {e}");
-                    }
+                    tracing::warn!(lease = settings.name, "releasing the lease: {e}");
                 }
             }
             tx.send_replace(false);
