@@ -108,6 +108,23 @@ async fn main() -> anyhow::Result<()> {
                     .map(Ok),
                 );
             }
+            {
+                let c = node.config();
+                let grace = c.orphan_grace;
+                let period = (grace / 2).clamp(
+                    std::time::Duration::from_secs(1),
+                    std::time::Duration::from_secs(60),
+                );
+                let sweep = controllers::orphan_sweep::OrphanSweep {
+                    client: client.clone(),
+                    driver: c.driver_name.clone(),
+                    node: c.node_id.clone(),
+                    grace,
+                    period,
+                    metrics: controllers::orphan_sweep::OrphanMetrics::register(&mut registry),
+                };
+                work.spawn(sweep.run(node.volumes().clone(), shutdown.clone()).map(Ok));
+            }
             let token = shutdown.clone();
             work.spawn(async move {
                 publisher.run(token.clone()).await;

@@ -14,6 +14,7 @@ pub mod liveness_view;
 pub mod logging;
 pub mod names;
 pub mod node_selector;
+pub mod orphan_sweep;
 pub mod readiness;
 pub mod reconcile_metrics;
 pub mod rescheduler;

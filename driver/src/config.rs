@@ -60,6 +60,10 @@ pub struct NodeArgs {
     /// How often the heartbeat Lease is renewed (`0s` disables the heartbeat).
     #[arg(long, default_value = "10s")]
     pub heartbeat_period: String,
+
+    /// Age after which a volume whose claim went elsewhere is deleted by the orphan sweep.
+    #[arg(long, default_value = "10m")]
+    pub orphan_grace: String,
 }
 
 /// Validated node configuration.
@@ -89,6 +93,8 @@ pub struct NodeConfig {
     pub namespace: String,
     /// Heartbeat renew period; `None` disables it.
     pub heartbeat_period: Option<std::time::Duration>,
+    /// Orphan sweep grace.
+    pub orphan_grace: std::time::Duration,
 }
 
 /// A flag is missing, malformed or does not fit the mode.
@@ -188,6 +194,8 @@ impl NodeArgs {
                     .map_err(|e| invalid("heartbeat-period", e))?;
                 (!d.is_zero()).then_some(d)
             },
+            orphan_grace: controllers::duration::parse_duration(&self.orphan_grace)
+                .map_err(|e| invalid("orphan-grace", e))?,
         })
     }
 }
@@ -210,6 +218,7 @@ mod tests {
             standalone: true,
             namespace: "pmem-csi".into(),
             heartbeat_period: "10s".into(),
+            orphan_grace: "10m".into(),
         }
     }
 

@@ -132,6 +132,13 @@ impl StateStore {
             .map_err(io("syncing", &self.dir))
     }
 
+    /// When the state of `id` was written (its creation: state is written once per volume).
+    pub fn written_at(&self, id: &str) -> Option<std::time::SystemTime> {
+        std::fs::metadata(self.path(id).ok()?)
+            .and_then(|m| m.modified())
+            .ok()
+    }
+
     /// Every stored volume, plus the files that could not be parsed (left in place).
     pub fn load_all(&self) -> Result<(Vec<VolumeState>, Vec<StateError>), StateError> {
         let mut volumes = Vec::new();

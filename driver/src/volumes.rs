@@ -383,6 +383,42 @@ impl controllers::CapacitySource for Volumes {
     }
 }
 
+impl controllers::orphan_sweep::SweepTarget for Volumes {
+    fn candidates(&self) -> Vec<controllers::orphan_sweep::SweepCandidate> {
+        let mode = self.backend.mode().as_str();
+        self.list()
+            .into_iter()
+            .filter(|v| {
+                v.parameters
+                    .get(parameters::DEVICE_MODE)
+                    .is_none_or(|m| m == mode)
+                    && v.parameters
+                        .get(parameters::PERSISTENCY_MODEL)
+                        .map(String::as_str)
+                        != Some("ephemeral")
+            })
+            .map(|v| {
+                let age = self
+                    .state
+                    .written_at(&v.id)
+                    .and_then(|t| t.elapsed().ok())
+                    .unwrap_or_default();
+                let get = |k: &str| v.parameters.get(k).cloned();
+                controllers::orphan_sweep::SweepCandidate {
+                    claim: get(parameters::PVC_NAMESPACE).zip(get(parameters::PVC_NAME)),
+                    pv_name: get(parameters::PV_NAME),
+                    id: v.id,
+                    age,
+                }
+            })
+            .collect()
+    }
+
+    async fn delete(&self, id: &str) -> Result<(), String> {
+        Volumes::delete(self, id).await.map_err(|e| e.to_string())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,230 @@
+//! The orphan sweep of a real `pmem-csi node` (fake backend) against testenv: volumes whose
+//! claim is gone or went to another node are deleted after `--orphan-grace`; volumes a PV
+//! refers to, or whose claim is still pending here, stay.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use driver::csi::controller_client::ControllerClient;
+use driver::csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
+use driver::csi::{CapacityRange, CreateVolumeRequest, ListVolumesRequest, VolumeCapability};
+use k8s_openapi::api::core::v1::{
+    CSIPersistentVolumeSource, Namespace, PersistentVolume, PersistentVolumeClaim,
+    PersistentVolumeClaimSpec, PersistentVolumeSpec, VolumeResourceRequirements,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::Api;
+use kube::api::{ObjectMeta, PostParams};
+use testenv::node_driver::NodeDriverDirs;
+use testenv::wait::until;
+use testenv::{ProcessSpec, TestEnv, TestEnvBuilder};
+use tonic::transport::Channel;
+
+const DRIVER: &str = "pmem-csi.intel.com";
+const WAIT: Duration = Duration::from_secs(60);
+
+fn env() -> &'static TestEnv {
+    fn configure() -> TestEnvBuilder {
+        TestEnv::builder().nodes(1)
+    }
+    TestEnv::shared(configure)
+}
+
+fn claim(ns: &str, name: &str, node: &str) -> PersistentVolumeClaim {
+    PersistentVolumeClaim {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(ns.into()),
+            annotations: Some(BTreeMap::from([(
+                "volume.kubernetes.io/selected-node".to_string(),
+                node.to_string(),
+            )])),
+            ..Default::default()
+        },
+        spec: Some(PersistentVolumeClaimSpec {
+            access_modes: Some(vec!["ReadWriteOnce".into()]),
+            storage_class_name: Some("no-such-class".into()),
+            resources: Some(VolumeResourceRequirements {
+                requests: Some(BTreeMap::from([(
+                    "storage".to_string(),
+                    Quantity("4Mi".into()),
+                )])),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+async fn create(csi: &mut ControllerClient<Channel>, ns: &str, claim: &str) -> String {
+    csi.create_volume(CreateVolumeRequest {
+        name: format!("pvc-{ns}-{claim}"),
+        capacity_range: Some(CapacityRange {
+            required_bytes: 4 << 20,
+            limit_bytes: 0,
+        }),
+        volume_capabilities: vec![VolumeCapability {
+            access_mode: Some(AccessMode {
+                mode: Mode::SingleNodeWriter as i32,
+            }),
+            access_type: Some(AccessType::Mount(MountVolume::default())),
+        }],
+        parameters: HashMap::from([
+            ("csi.storage.k8s.io/pvc/name".to_string(), claim.to_string()),
+            (
+                "csi.storage.k8s.io/pvc/namespace".to_string(),
+                ns.to_string(),
+            ),
+            (
+                "csi.storage.k8s.io/pv/name".to_string(),
+                format!("pvc-{ns}-{claim}"),
+            ),
+        ]),
+        ..Default::default()
+    })
+    .await
+    .expect("create")
+    .into_inner()
+    .volume
+    .expect("volume")
+    .volume_id
+}
+
+async fn ids(csi: &mut ControllerClient<Channel>) -> Vec<String> {
+    csi.list_volumes(ListVolumesRequest::default())
+        .await
+        .expect("list")
+        .into_inner()
+        .entries
+        .into_iter()
+        .filter_map(|e| e.volume.map(|v| v.volume_id))
+        .collect()
+}
+
+#[tokio::test]
+async fn deletes_orphans_keeps_the_rest() {
+    let env = env();
+    let client = env.client().await.expect("client");
+    let _ = Api::<Namespace>::all(client.clone())
+        .create(
+            &PostParams::default(),
+            &Namespace {
+                metadata: ObjectMeta {
+                    name: Some("pmem-csi".into()),
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+        )
+        .await;
+    let ns = testenv::test_namespace(&client, "orphans")
+        .await
+        .expect("ns");
+    let claims = Api::<PersistentVolumeClaim>::namespaced(client.clone(), &ns);
+    let pp = PostParams::default();
+    claims
+        .create(&pp, &claim(&ns, "pending", "node-1"))
+        .await
+        .expect("claim");
+    claims
+        .create(&pp, &claim(&ns, "moved", "node-2"))
+        .await
+        .expect("claim");
+
+    let root = tempfile::tempdir().expect("tempdir");
+    let dirs = NodeDriverDirs::under(root.path());
+    let port = testenv::ports::free_port().expect("port");
+    let driver = env.supervise(
+        ProcessSpec::new(
+            "node-1/pmem-csi",
+            env!("CARGO_BIN_EXE_pmem-csi"),
+            "orphans-driver.log",
+        )
+        .args([
+            "node".to_string(),
+            format!("--endpoint=unix://{}", dirs.socket.display()),
+            "--node-id=node-1".into(),
+            "--device-mode=fake".into(),
+            "--emulated-size=1Gi".into(),
+            format!("--state-dir={}", dirs.state.display()),
+            "--orphan-grace=2s".into(),
+            format!("--admin-address=127.0.0.1:{port}"),
+        ])
+        .env("KUBECONFIG", env.admin_kubeconfig()),
+    );
+    testenv::node_driver::wait_for_path(&dirs.socket, WAIT)
+        .await
+        .expect("socket");
+    let mut csi = ControllerClient::new(
+        driver::client::connect(&dirs.socket)
+            .await
+            .expect("connect"),
+    );
+    let gone = create(&mut csi, &ns, "gone").await;
+    let moved = create(&mut csi, &ns, "moved").await;
+    let pending = create(&mut csi, &ns, "pending").await;
+    let referenced = create(&mut csi, &ns, "referenced").await;
+    Api::<PersistentVolume>::all(client.clone())
+        .create(
+            &pp,
+            &PersistentVolume {
+                metadata: ObjectMeta {
+                    name: Some(format!("pvc-{ns}-referenced")),
+                    ..Default::default()
+                },
+                spec: Some(PersistentVolumeSpec {
+                    capacity: Some(BTreeMap::from([(
+                        "storage".to_string(),
+                        Quantity("4Mi".into()),
+                    )])),
+                    access_modes: Some(vec!["ReadWriteOnce".into()]),
+                    csi: Some(CSIPersistentVolumeSource {
+                        driver: DRIVER.into(),
+                        volume_handle: referenced.clone(),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("pv");
+
+    until("the orphans to be swept", WAIT, || async {
+        let mut c = csi.clone();
+        let now = ids(&mut c).await;
+        if now.contains(&gone) || now.contains(&moved) {
+            Err(format!("still {now:?}"))
+        } else {
+            Ok(())
+        }
+    })
+    .await
+    .expect("swept");
+    let left = ids(&mut csi).await;
+    assert!(
+        left.contains(&pending),
+        "a claim pending here keeps its volume: {left:?}"
+    );
+    assert!(
+        left.contains(&referenced),
+        "a volume with a PV stays: {left:?}"
+    );
+    let metrics =
+        testenv::control_plane::anonymous_probe(&format!("http://127.0.0.1:{port}"), "metrics")
+            .expect("client")
+            .request_text(
+                http::Request::get("/metrics")
+                    .body(Vec::new())
+                    .expect("request"),
+            )
+            .await
+            .expect("metrics");
+    assert!(
+        metrics.contains("pmem_csi_orphans_deleted_total 2"),
+        "{metrics}"
+    );
+    driver.stop().await;
+}
