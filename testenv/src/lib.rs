@@ -7,6 +7,7 @@ pub mod control_plane;
 pub mod kubeconfig;
 pub mod leftovers;
 pub mod node_driver;
+pub mod node_processes;
 pub mod nodes;
 pub mod pki;
 pub mod ports;
@@ -46,6 +47,12 @@ pub enum TestEnvError {
     /// Node objects.
     #[error(transparent)]
     Nodes(#[from] nodes::NodesError),
+    /// Node processes.
+    #[error(transparent)]
+    NodeProcesses(#[from] node_processes::NodeProcessesError),
+    /// An API call during start-up.
+    #[error("setting up the cluster: {0}")]
+    Api(#[from] kube::Error),
     /// The work directory.
     #[error("creating work directory under {parent}: {source}")]
     WorkDir {
@@ -62,6 +69,7 @@ pub struct TestEnvBuilder {
     nodes: Vec<NodeSpec>,
     driver_name: String,
     scheduler: SchedulerConfig,
+    drivers: Option<node_processes::DriverOptions>,
 }
 
 impl Default for TestEnvBuilder {
@@ -70,6 +78,7 @@ impl Default for TestEnvBuilder {
             nodes: Vec::new(),
             driver_name: DEFAULT_DRIVER_NAME.to_string(),
             scheduler: SchedulerConfig::default(),
+            drivers: None,
         }
     }
 }
@@ -95,6 +104,13 @@ impl TestEnvBuilder {
         self
     }
 
+    /// Runs, on every node meant for the driver, a supervised `pmem-csi node` and a supervised
+    /// csi-provisioner in node-deployment mode.
+    pub fn drivers(mut self, options: node_processes::DriverOptions) -> Self {
+        self.drivers = Some(options);
+        self
+    }
+
     /// Replaces the kube-scheduler configuration.
     pub fn scheduler(mut self, config: SchedulerConfig) -> Self {
         self.scheduler = config;
@@ -117,6 +133,7 @@ pub struct TestEnv {
     nodes: Vec<NodeSpec>,
     control_plane: Option<ControlPlane>,
     runtime: Handle,
+    node_processes: std::sync::Mutex<Vec<node_processes::NodeProcesses>>,
     /// Cancelled first on stop, so that no supervisor restarts what teardown kills.
     shutdown: CancellationToken,
     // Declared last: dropped after the components, so their graceful stop comes first.
@@ -152,12 +169,46 @@ impl TestEnv {
             nodes: builder.nodes,
             control_plane: Some(control_plane),
             runtime,
+            node_processes: Default::default(),
             shutdown: CancellationToken::new(),
             group,
         };
         let client = env.client().await?;
         for node in &env.nodes {
-            node.create(&client, &env.driver_name).await?;
+            // With driver processes, the CSINode lists the driver only once it serves.
+            let mut spec = node.clone();
+            if builder.drivers.is_some() {
+                spec.csinode_driver = false;
+            }
+            spec.create(&client, &env.driver_name).await?;
+        }
+        if let Some(options) = builder.drivers {
+            use k8s_openapi::api::core::v1::Namespace;
+            let namespace = Namespace {
+                metadata: kube::api::ObjectMeta {
+                    name: Some(node_processes::DRIVER_NAMESPACE.into()),
+                    ..Default::default()
+                },
+                ..Default::default()
+            };
+            kube::Api::<Namespace>::all(client.clone())
+                .create(&Default::default(), &namespace)
+                .await?;
+            let launcher = node_processes::NodeLauncher {
+                client: client.clone(),
+                tools: env.tools.clone(),
+                root: env.dir().to_path_buf(),
+                kubeconfig: env.admin_kubeconfig(),
+                driver_name: env.driver_name.clone(),
+                options,
+            };
+            for node in env.nodes.iter().filter(|n| n.driver) {
+                let processes = launcher.start(node, |spec| env.supervise(spec)).await?;
+                env.node_processes
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .push(processes);
+            }
         }
         Ok(env)
     }
@@ -270,9 +321,40 @@ impl TestEnv {
         }
     }
 
+    /// Takes the processes of `node` out of the testenv's hands (to stop or kill them).
+    pub fn take_node_processes(&self, node: &str) -> Option<node_processes::NodeProcesses> {
+        let mut all = self
+            .node_processes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let i = all.iter().position(|p| p.node == node)?;
+        Some(all.remove(i))
+    }
+
+    /// The driver socket of `node`, if testenv runs its driver.
+    pub fn driver_socket(&self, node: &str) -> Option<PathBuf> {
+        self.node_processes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .find(|p| p.node == node)
+            .map(|p| p.dirs.socket.clone())
+    }
+
     /// Stops every process gracefully, kills what remains of the group and removes the work
     /// directory. Returns what to check for leftovers.
     pub async fn stop(mut self) -> Leftovers {
+        let processes: Vec<_> = std::mem::take(
+            &mut *self
+                .node_processes
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
+        for p in processes {
+            // Provisioners first, so nothing provisions against a stopping driver.
+            p.provisioner.stop().await;
+            p.driver.stop().await;
+        }
         self.shutdown.cancel();
         if let Some(control_plane) = self.control_plane.take() {
             control_plane.stop().await;

@@ -330,6 +330,7 @@ async fn supervised_process_restarts_after_sigkill_and_stays_stopped_when_stoppe
             "--node-id=supervision-test".into(),
             "--device-mode=fake".into(),
             "--emulated-size=1Gi".into(),
+            "--standalone".into(),
             format!(
                 "--state-dir={}",
                 env.dir().join("supervision-test-state").display()

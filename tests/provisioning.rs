@@ -1,0 +1,236 @@
+//! Distributed provisioning on testenv with the real pieces: per node a supervised
+//! `pmem-csi node` (emulated) and a real csi-provisioner in node-deployment mode; the real
+//! scheduler picks a node from the published capacity, the node's provisioner creates the
+//! volume through our driver, kube-controller-manager binds, and deletion cleans up.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use driver::csi::ListVolumesRequest;
+use driver::csi::controller_client::ControllerClient;
+use k8s_openapi::api::core::v1::{
+    Container, PersistentVolume, PersistentVolumeClaim, PersistentVolumeClaimSpec,
+    PersistentVolumeClaimVolumeSource, Pod, PodSpec, Volume, VolumeResourceRequirements,
+};
+use k8s_openapi::api::storage::v1::{CSIDriver, CSIDriverSpec, CSIStorageCapacity, StorageClass};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::Api;
+use kube::api::{DeleteParams, ListParams, ObjectMeta, PostParams};
+use testenv::node_processes::DriverOptions;
+use testenv::wait::until;
+use testenv::{TestEnv, TestEnvBuilder};
+
+const DRIVER: &str = "pmem-csi.intel.com";
+const WAIT: Duration = Duration::from_secs(90);
+
+fn env() -> &'static TestEnv {
+    fn configure() -> TestEnvBuilder {
+        TestEnv::builder()
+            .nodes(2)
+            .drivers(DriverOptions::default())
+    }
+    TestEnv::shared(configure)
+}
+
+fn meta(name: &str, ns: Option<&str>) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(name.into()),
+        namespace: ns.map(str::to_string),
+        ..Default::default()
+    }
+}
+
+async fn volumes_on(env: &TestEnv, node: &str) -> Vec<String> {
+    let socket = env.driver_socket(node).expect("driver socket");
+    let mut csi = ControllerClient::new(driver::client::connect(&socket).await.expect("connect"));
+    csi.list_volumes(ListVolumesRequest::default())
+        .await
+        .expect("list")
+        .into_inner()
+        .entries
+        .into_iter()
+        .filter_map(|e| e.volume.map(|v| v.volume_id))
+        .collect()
+}
+
+#[tokio::test]
+async fn late_binding_claim_is_provisioned_on_the_scheduled_node_and_cleaned_up() {
+    let env = env();
+    let client = env.client().await.expect("client");
+    let pp = PostParams::default();
+    let _ = Api::<CSIDriver>::all(client.clone())
+        .create(
+            &pp,
+            &CSIDriver {
+                metadata: meta(DRIVER, None),
+                spec: CSIDriverSpec {
+                    attach_required: Some(false),
+                    storage_capacity: Some(true),
+                    pod_info_on_mount: Some(true),
+                    volume_lifecycle_modes: Some(vec!["Persistent".into(), "Ephemeral".into()]),
+                    ..Default::default()
+                },
+            },
+        )
+        .await;
+    let ns = testenv::test_namespace(&client, "provisioning")
+        .await
+        .expect("ns");
+    let class = format!("{ns}-pmem");
+    Api::<StorageClass>::all(client.clone())
+        .create(
+            &pp,
+            &StorageClass {
+                metadata: meta(&class, None),
+                provisioner: DRIVER.into(),
+                volume_binding_mode: Some("WaitForFirstConsumer".into()),
+                reclaim_policy: Some("Delete".into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("class");
+    let capacities = Api::<CSIStorageCapacity>::namespaced(client.clone(), "pmem-csi");
+    until("capacity published by both nodes", WAIT, || async {
+        let list = capacities
+            .list(&ListParams::default())
+            .await
+            .map_err(|e| e.to_string())?;
+        let n = list
+            .items
+            .iter()
+            .filter(|c| c.storage_class_name == class)
+            .count();
+        if n == 2 {
+            Ok(())
+        } else {
+            Err(format!("{n} objects"))
+        }
+    })
+    .await
+    .expect("capacity");
+
+    let claims = Api::<PersistentVolumeClaim>::namespaced(client.clone(), &ns);
+    claims
+        .create(
+            &pp,
+            &PersistentVolumeClaim {
+                metadata: meta("data", Some(&ns)),
+                spec: Some(PersistentVolumeClaimSpec {
+                    access_modes: Some(vec!["ReadWriteOnce".into()]),
+                    storage_class_name: Some(class.clone()),
+                    resources: Some(VolumeResourceRequirements {
+                        requests: Some(BTreeMap::from([(
+                            "storage".to_string(),
+                            Quantity("64Mi".into()),
+                        )])),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("claim");
+    let pods = Api::<Pod>::namespaced(client.clone(), &ns);
+    pods.create(
+        &pp,
+        &Pod {
+            metadata: meta("app", Some(&ns)),
+            spec: Some(PodSpec {
+                containers: vec![Container {
+                    name: "app".into(),
+                    image: Some("registry.invalid/app".into()),
+                    ..Default::default()
+                }],
+                volumes: Some(vec![Volume {
+                    name: "data".into(),
+                    persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                        claim_name: "data".into(),
+                        read_only: None,
+                    }),
+                    ..Default::default()
+                }]),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    )
+    .await
+    .expect("pod");
+
+    let node = until("the pod to be bound to a node", WAIT, || async {
+        pods.get("app")
+            .await
+            .map_err(|e| e.to_string())?
+            .spec
+            .and_then(|s| s.node_name)
+            .ok_or_else(|| "not scheduled yet".to_string())
+    })
+    .await
+    .expect("scheduled");
+    let pv_name = claims
+        .get("data")
+        .await
+        .expect("claim")
+        .spec
+        .and_then(|s| s.volume_name)
+        .expect("the claim is bound before the pod is");
+    let pv = Api::<PersistentVolume>::all(client.clone())
+        .get(&pv_name)
+        .await
+        .expect("pv");
+    let spec = pv.spec.expect("pv spec");
+    let csi = spec.csi.expect("csi source");
+    assert_eq!(csi.driver, DRIVER);
+    let terms = spec
+        .node_affinity
+        .and_then(|a| a.required)
+        .map(|r| r.node_selector_terms)
+        .unwrap_or_default();
+    let affinity: Vec<(String, Vec<String>)> = terms
+        .iter()
+        .flat_map(|t| t.match_expressions.clone().unwrap_or_default())
+        .map(|e| (e.key, e.values.unwrap_or_default()))
+        .collect();
+    assert_eq!(
+        affinity,
+        vec![(format!("{DRIVER}/node"), vec![node.clone()])],
+        "PV pinned to the pod's node"
+    );
+    assert_eq!(
+        volumes_on(env, &node).await,
+        vec![csi.volume_handle.clone()],
+        "the volume lives on {node}"
+    );
+    let other = if node == "node-1" { "node-2" } else { "node-1" };
+    assert!(
+        volumes_on(env, other).await.is_empty(),
+        "nothing on {other}"
+    );
+
+    pods.delete(
+        "app",
+        &DeleteParams {
+            grace_period_seconds: Some(0),
+            ..Default::default()
+        },
+    )
+    .await
+    .expect("delete pod");
+    claims
+        .delete("data", &DeleteParams::default())
+        .await
+        .expect("delete claim");
+    until("the volume to be deleted on its node", WAIT, || async {
+        let left = volumes_on(env, &node).await;
+        if left.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("still {left:?}"))
+        }
+    })
+    .await
+    .expect("deleted");
+}
