@@ -2,6 +2,7 @@
 //! samples and the machine, renders BENCHMARKS.md from the committed results, and checks that
 //! the committed BENCHMARKS.md is what the results render to.
 
+mod cluster_scale;
 mod driver_ops;
 mod report;
 
@@ -70,6 +71,22 @@ fn main() -> anyhow::Result<()> {
             let mut benchmarks =
                 runtime.block_on(driver_ops::run(tools.pmem_csi(), &root, driver_samples))?;
             benchmarks.push(runtime.block_on(testenv_startup(samples))?);
+            benchmarks.extend(runtime.block_on(async {
+                let env = testenv::TestEnv::builder()
+                    .start()
+                    .await
+                    .context("starting testenv")?;
+                let (nodes, claims) = if smoke { (20, 200) } else { (1000, 10_000) };
+                let mut out = cluster_scale::rescheduler_pass(&env, nodes, claims).await?;
+                out.push(
+                    cluster_scale::capacity_latency(&env, &root, if smoke { 5 } else { 200 })
+                        .await?,
+                );
+                let leftovers = env.stop().await;
+                let remaining = leftovers.wait_clean(Duration::from_secs(20)).await;
+                anyhow::ensure!(remaining.is_empty(), "left behind: {remaining:?}");
+                anyhow::Ok(out)
+            })?);
             if smoke {
                 for b in &benchmarks {
                     println!("smoke: {} ran, {} samples", b.name, b.samples.len());

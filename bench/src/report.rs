@@ -143,6 +143,7 @@ impl Benchmark {
     fn describe_target(&self, run: &[Benchmark]) -> String {
         match (&self.target.p50_max, &self.target.p99_max) {
             (Some(max), _) => format!("p50 ≤ {max}{}", self.unit),
+            (None, Some(rel)) if rel.of.is_empty() => format!("p99 ≤ {}{}", rel.plus, self.unit),
             (None, Some(rel)) => format!(
                 "p99 ≤ p99({}) + {}{} = {:.3}{}",
                 rel.of.join(") + p99("),
