@@ -81,7 +81,8 @@ async fn main() -> anyhow::Result<()> {
         let serving = readiness.register("csi-server");
         let node = driver::NodeDriver::start(config, &mut registry)?;
         if !node.config().standalone {
-            let client = kube::Client::try_default()
+            let (qps, burst) = node.config().kube_api;
+            let client = controllers::rate_limit::client(qps, burst)
                 .await
                 .context("connecting to the apiserver (use --standalone to run without it)")?;
             let publisher = controllers::capacity_publisher::CapacityPublisher::new(

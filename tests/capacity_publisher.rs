@@ -117,7 +117,7 @@ async fn capacity_of(api: &Api<CSIStorageCapacity>, name: &str) -> Result<u64, S
         .map_err(|e| e.to_string())?
         .ok_or("no object yet")?;
     o.capacity
-        .and_then(|q| q.0.parse().ok())
+        .and_then(|q| controllers::quantity::parse_bytes(&q.0).ok())
         .ok_or_else(|| "no capacity".to_string())
 }
 

@@ -247,7 +247,7 @@ pub async fn capacity_latency(
     let name = controllers::capacity_publisher::object_name(&node, &class_name);
     let capacity = |o: Option<CSIStorageCapacity>| {
         o.and_then(|o| o.capacity)
-            .and_then(|q| q.0.parse::<u64>().ok())
+            .and_then(|q| controllers::quantity::parse_bytes(&q.0).ok())
     };
     let deadline = Instant::now() + Duration::from_secs(60);
     while capacity(api.get_opt(&name).await?).is_none() {
@@ -278,10 +278,13 @@ pub async fn capacity_latency(
                 latencies.push(created.elapsed().as_secs_f64());
                 break;
             }
-            anyhow::ensure!(
-                created.elapsed() < Duration::from_secs(30),
-                "capacity did not follow create {i}"
-            );
+            if created.elapsed() > Duration::from_secs(30) {
+                let now = capacity(api.get_opt(&name).await?);
+                anyhow::bail!(
+                    "capacity did not follow create {i}: object says {now:?}, expected {} (before {before})",
+                    before - (4 << 20),
+                );
+            }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }

@@ -21,6 +21,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::capacity_source::{CapacitySource, NodeCapacity};
 use crate::names::shorten;
+use crate::quantity;
 use crate::reconcile_metrics::{ReconcileMetrics, ReconcileResult};
 use crate::stores;
 
@@ -173,7 +174,10 @@ pub enum Change {
 }
 
 /// Whether `existing` already says what `wanted` says (the fields the publisher owns).
+/// Quantities compare by value: the apiserver returns them in canonical form ("1099431936k"
+/// for the "1099431936000" written), and comparing text would rewrite the object forever.
 fn same(existing: &CSIStorageCapacity, wanted: &CSIStorageCapacity) -> bool {
+    let bytes = |q: &Option<Quantity>| q.as_ref().map(|q| quantity::parse_bytes(&q.0).ok());
     let owned = |o: &CSIStorageCapacity| {
         (
             o.metadata.labels.clone(),
@@ -181,8 +185,8 @@ fn same(existing: &CSIStorageCapacity, wanted: &CSIStorageCapacity) -> bool {
             o.metadata.owner_references.clone(),
             o.storage_class_name.clone(),
             o.node_topology.clone(),
-            o.capacity.clone(),
-            o.maximum_volume_size.clone(),
+            bytes(&o.capacity),
+            bytes(&o.maximum_volume_size),
         )
     };
     owned(existing) == owned(wanted)
@@ -406,6 +410,7 @@ async fn publish<S: CapacitySource>(node: &Node, ctx: &Context<S>) -> Result<Act
                 ("deleting", name.clone(), r)
             }
         };
+        tracing::debug!(op, name, ok = result.is_ok(), "capacity object write");
         result.map_err(|source| PublishError::Api { op, name, source })?;
     }
     Ok(Action::requeue(RESYNC))

@@ -69,6 +69,14 @@ pub struct ControllerArgs {
     /// This instance's identity in leader Leases (default: POD_NAME, else host name and pid).
     #[arg(long, env = "POD_NAME")]
     pub leader_election_identity: Option<String>,
+
+    /// Requests per second to the apiserver (client-side token bucket; 0 disables).
+    #[arg(long, default_value_t = 20.0)]
+    pub kube_api_qps: f64,
+
+    /// Requests the client may send at once before `--kube-api-qps` applies.
+    #[arg(long, default_value_t = 40)]
+    pub kube_api_burst: u32,
 }
 
 /// Validated controller configuration.
@@ -86,6 +94,8 @@ pub struct ControllerConfig {
     pub namespace: String,
     /// Leader election timing and identity, when enabled.
     pub leader_election: Option<(Duration, Duration, String)>,
+    /// Client rate limit: requests per second and burst.
+    pub kube_api: (f64, u32),
 }
 
 /// A flag that does not validate.
@@ -147,6 +157,7 @@ impl ControllerArgs {
             heartbeat_grace,
             namespace: self.namespace.clone(),
             leader_election,
+            kube_api: (self.kube_api_qps, self.kube_api_burst),
         })
     }
 }
@@ -179,7 +190,7 @@ impl ControllerProcess {
         registry: &mut Registry,
         readiness: &Readiness,
     ) -> Result<Self, ControllerProcessError> {
-        let client = kube::Client::try_default().await?;
+        let client = crate::rate_limit::client(config.kube_api.0, config.kube_api.1).await?;
         let mut tasks = JoinSet::new();
         let (claims, claim_events) = stores::shared(
             Api::<PersistentVolumeClaim>::all(client.clone()),
@@ -373,6 +384,8 @@ mod tests {
             leader_election_lease_duration: "15s".into(),
             leader_election_retry_period: "2s".into(),
             leader_election_identity: None,
+            kube_api_qps: 20.0,
+            kube_api_burst: 40,
         }
     }
 

@@ -15,6 +15,8 @@ pub mod logging;
 pub mod names;
 pub mod node_selector;
 pub mod orphan_sweep;
+pub mod quantity;
+pub mod rate_limit;
 pub mod readiness;
 pub mod reconcile_metrics;
 pub mod rescheduler;

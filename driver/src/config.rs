@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use crate::backend::DeviceMode;
 use crate::filesystem::FsType;
-use crate::quantity;
+use controllers::quantity;
 
 /// Flags of `pmem-csi node`.
 #[derive(clap::Args, Debug, Clone)]
@@ -64,6 +64,15 @@ pub struct NodeArgs {
     /// Age after which a volume whose claim went elsewhere is deleted by the orphan sweep.
     #[arg(long, default_value = "10m")]
     pub orphan_grace: String,
+
+    /// Requests per second to the apiserver (client-side token bucket; 0 disables). Every
+    /// node runs a driver, so this multiplies by the cluster size.
+    #[arg(long, default_value_t = 5.0)]
+    pub kube_api_qps: f64,
+
+    /// Requests the client may send at once before `--kube-api-qps` applies.
+    #[arg(long, default_value_t = 10)]
+    pub kube_api_burst: u32,
 }
 
 /// Validated node configuration.
@@ -95,6 +104,8 @@ pub struct NodeConfig {
     pub heartbeat_period: Option<std::time::Duration>,
     /// Orphan sweep grace.
     pub orphan_grace: std::time::Duration,
+    /// Client rate limit: requests per second and burst.
+    pub kube_api: (f64, u32),
 }
 
 /// A flag is missing, malformed or does not fit the mode.
@@ -196,6 +207,7 @@ impl NodeArgs {
             },
             orphan_grace: controllers::duration::parse_duration(&self.orphan_grace)
                 .map_err(|e| invalid("orphan-grace", e))?,
+            kube_api: (self.kube_api_qps, self.kube_api_burst),
         })
     }
 }
@@ -219,6 +231,8 @@ mod tests {
             namespace: "pmem-csi".into(),
             heartbeat_period: "10s".into(),
             orphan_grace: "10m".into(),
+            kube_api_qps: 5.0,
+            kube_api_burst: 10,
         }
     }
 

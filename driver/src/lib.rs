@@ -18,7 +18,7 @@ pub mod metrics;
 pub mod mounts;
 pub mod node;
 pub mod parameters;
-pub mod quantity;
+
 pub mod server;
 pub mod state;
 pub mod volume_id;

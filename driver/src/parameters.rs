@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::quantity;
+use controllers::quantity;
 
 /// `eraseafter`: scrub the whole device on delete (default true).
 pub const ERASE_AFTER: &str = "eraseafter";
