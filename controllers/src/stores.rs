@@ -18,6 +18,19 @@ use tokio::task::JoinSet;
 /// Events a subscriber may lag behind before the shared watch waits for it.
 const SUBSCRIBER_BUFFER: usize = 4096;
 
+/// Trims what a cache keeps of each object to what the concerns read: managedFields always;
+/// a Node's status (images, conditions, addresses: most of its bytes) and a claim's status,
+/// which nothing here reads. Memory grows with the cluster, so this matters at scale.
+pub fn trim<K: Resource + std::any::Any>(object: &mut K) {
+    object.meta_mut().managed_fields = None;
+    let any: &mut dyn std::any::Any = object;
+    if let Some(node) = any.downcast_mut::<Node>() {
+        node.status = None;
+    } else if let Some(claim) = any.downcast_mut::<PersistentVolumeClaim>() {
+        claim.status = None;
+    }
+}
+
 /// The caches of `pmem-csi controller`.
 #[derive(Clone)]
 pub struct Stores {
@@ -49,9 +62,7 @@ where
         .unwrap_or_else(|| unreachable!("stores made by store_shared accept subscribers"));
     let stream = watcher(api, config)
         .default_backoff()
-        .modify(|o: &mut K| {
-            o.meta_mut().managed_fields = None;
-        })
+        .modify(|o: &mut K| trim(o))
         .reflect_shared(writer);
     tasks.spawn(stream.for_each(|_| async {}));
     (reader, subscriber)
@@ -66,9 +77,9 @@ where
     let (reader, writer) = reflector::store();
     let stream = reflector::reflector(
         writer,
-        watcher(api, config).default_backoff().modify(|o: &mut K| {
-            o.meta_mut().managed_fields = None;
-        }),
+        watcher(api, config)
+            .default_backoff()
+            .modify(|o: &mut K| trim(o)),
     );
     tasks.spawn(stream.for_each(|_| async {}));
     reader
@@ -83,5 +94,44 @@ impl Stores {
         self.csinodes.wait_until_ready().await?;
         self.leases.wait_until_ready().await?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{NodeStatus, PersistentVolumeClaimStatus};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
+
+    #[test]
+    fn trim_keeps_what_is_read() {
+        let mut node = Node {
+            metadata: kube::api::ObjectMeta {
+                name: Some("n".into()),
+                labels: Some([("storage".to_string(), "pmem".to_string())].into()),
+                managed_fields: Some(vec![ManagedFieldsEntry::default()]),
+                ..Default::default()
+            },
+            status: Some(NodeStatus::default()),
+            ..Default::default()
+        };
+        trim(&mut node);
+        assert!(node.status.is_none() && node.metadata.managed_fields.is_none());
+        assert!(
+            node.metadata.labels.is_some(),
+            "labels are what the judgement reads"
+        );
+        let mut claim = PersistentVolumeClaim {
+            status: Some(PersistentVolumeClaimStatus::default()),
+            ..Default::default()
+        };
+        trim(&mut claim);
+        assert!(claim.status.is_none());
+        let mut class = StorageClass {
+            provisioner: "p".into(),
+            ..Default::default()
+        };
+        trim(&mut class);
+        assert_eq!(class.provisioner, "p");
     }
 }
