@@ -31,6 +31,9 @@ enum Command {
         /// Samples per benchmark (full runs).
         #[arg(long, default_value_t = 5)]
         samples: usize,
+        /// Run only the node driver benchmarks and print them; no result file (experiments).
+        #[arg(long)]
+        driver_only: bool,
     },
     /// Render BENCHMARKS.md from bench/results/.
     Render,
@@ -63,13 +66,30 @@ fn main() -> anyhow::Result<()> {
     let results_dir = root.join("bench/results");
     let markdown = root.join("BENCHMARKS.md");
     match cli.command {
-        Command::Run { smoke, samples } => {
+        Command::Run {
+            smoke,
+            samples,
+            driver_only,
+        } => {
             let samples = if smoke { 1 } else { samples.max(1) };
             let runtime = tokio::runtime::Runtime::new().context("tokio runtime")?;
             let tools = testenv::Tools::locate().context("locating tools")?;
             let driver_samples = if smoke { 20 } else { samples.max(1) * 100 };
             let mut benchmarks =
                 runtime.block_on(driver_ops::run(tools.pmem_csi(), &root, driver_samples))?;
+            if driver_only {
+                for b in &benchmarks {
+                    println!(
+                        "{}: p50 {:.3} p99 {:.3} max {:.3} {}",
+                        b.name,
+                        report::quantile(&b.samples, 0.5),
+                        report::quantile(&b.samples, 0.99),
+                        report::quantile(&b.samples, 1.0),
+                        b.unit
+                    );
+                }
+                return Ok(());
+            }
             benchmarks.push(runtime.block_on(testenv_startup(samples))?);
             benchmarks.extend(runtime.block_on(async {
                 let env = testenv::TestEnv::builder()

@@ -27,9 +27,31 @@ pub fn trim<K: Resource + std::any::Any>(object: &mut K) {
     if let Some(node) = any.downcast_mut::<Node>() {
         node.status = None;
     } else if let Some(claim) = any.downcast_mut::<PersistentVolumeClaim>() {
+        // The rescheduler reads the class, the bound volume, deletion, and three annotations.
         claim.status = None;
+        let meta = &mut claim.metadata;
+        meta.labels = None;
+        meta.finalizers = None;
+        meta.owner_references = None;
+        if let Some(annotations) = meta.annotations.as_mut() {
+            annotations.retain(|k, _| KEPT_CLAIM_ANNOTATIONS.contains(&k.as_str()));
+        }
+        if let Some(spec) = claim.spec.as_mut() {
+            spec.resources = None;
+            spec.access_modes = None;
+            spec.data_source = None;
+            spec.data_source_ref = None;
+            spec.selector = None;
+        }
     }
 }
+
+/// The claim annotations the rescheduler reads.
+const KEPT_CLAIM_ANNOTATIONS: [&str; 3] = [
+    crate::rescheduler::SELECTED_NODE,
+    crate::rescheduler::STORAGE_PROVISIONER,
+    crate::rescheduler::BETA_STORAGE_PROVISIONER,
+];
 
 /// The caches of `pmem-csi controller`.
 #[derive(Clone)]
@@ -122,11 +144,47 @@ mod tests {
             "labels are what the judgement reads"
         );
         let mut claim = PersistentVolumeClaim {
+            metadata: kube::api::ObjectMeta {
+                annotations: Some(
+                    [
+                        (
+                            "volume.kubernetes.io/selected-node".to_string(),
+                            "n1".to_string(),
+                        ),
+                        (
+                            "kubectl.kubernetes.io/last-applied-configuration".to_string(),
+                            "{…}".to_string(),
+                        ),
+                    ]
+                    .into(),
+                ),
+                finalizers: Some(vec!["kubernetes.io/pvc-protection".into()]),
+                ..Default::default()
+            },
+            spec: Some(k8s_openapi::api::core::v1::PersistentVolumeClaimSpec {
+                storage_class_name: Some("c".into()),
+                volume_name: Some("pv".into()),
+                access_modes: Some(vec!["ReadWriteOnce".into()]),
+                ..Default::default()
+            }),
             status: Some(PersistentVolumeClaimStatus::default()),
-            ..Default::default()
         };
         trim(&mut claim);
-        assert!(claim.status.is_none());
+        assert!(claim.status.is_none() && claim.metadata.finalizers.is_none());
+        let annotations = claim.metadata.annotations.clone().unwrap_or_default();
+        assert_eq!(
+            annotations.keys().collect::<Vec<_>>(),
+            ["volume.kubernetes.io/selected-node"]
+        );
+        let spec = claim.spec.clone().unwrap_or_default();
+        assert_eq!(
+            (
+                spec.storage_class_name.as_deref(),
+                spec.volume_name.as_deref()
+            ),
+            (Some("c"), Some("pv"))
+        );
+        assert!(spec.access_modes.is_none());
         let mut class = StorageClass {
             provisioner: "p".into(),
             ..Default::default()
