@@ -10,12 +10,13 @@ use driver::csi::controller_client::ControllerClient;
 use driver::csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
 use driver::csi::{CapacityRange, CreateVolumeRequest, VolumeCapability};
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Namespace, Node};
+use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::storage::v1::{CSIStorageCapacity, StorageClass};
 use kube::Api;
-use kube::api::{DeleteParams, ObjectMeta, PostParams};
+use kube::api::DeleteParams;
 use kube::runtime::watcher;
 use testenv::node_driver::NodeDriverDirs;
+use testenv::objects;
 use testenv::wait::until;
 use testenv::{NodeSpec, ProcessSpec, Supervised, TestEnv, TestEnvBuilder};
 
@@ -32,34 +33,13 @@ fn env() -> &'static TestEnv {
 }
 
 async fn namespace(client: &kube::Client) {
-    let _ = Api::<Namespace>::all(client.clone())
-        .create(
-            &PostParams::default(),
-            &Namespace {
-                metadata: ObjectMeta {
-                    name: Some(NAMESPACE.into()),
-                    ..Default::default()
-                },
-                ..Default::default()
-            },
-        )
-        .await;
+    objects::ensure_namespace(client, NAMESPACE)
+        .await
+        .expect("namespace");
 }
 
 async fn class(client: &kube::Client, name: &str, mode: &str) {
-    Api::<StorageClass>::all(client.clone())
-        .create(
-            &PostParams::default(),
-            &StorageClass {
-                metadata: ObjectMeta {
-                    name: Some(name.into()),
-                    ..Default::default()
-                },
-                provisioner: DRIVER.into(),
-                volume_binding_mode: Some(mode.into()),
-                ..Default::default()
-            },
-        )
+    objects::create_storage_class(client, name, DRIVER, mode)
         .await
         .expect("class");
 }
@@ -267,14 +247,9 @@ async fn publishes_follows_coalesces_and_withdraws() {
         .delete(&late, &DeleteParams::default())
         .await
         .expect("delete class");
-    until("the deleted class's object to go", WAIT, || async {
-        match api.get_opt(&name).await.map_err(|e| e.to_string())? {
-            None => Ok(()),
-            Some(_) => Err("still there".to_string()),
-        }
-    })
-    .await
-    .expect("object of a deleted class removed");
+    objects::wait_gone(&api, &name, WAIT)
+        .await
+        .expect("object of a deleted class removed");
 
     // Stopping the CSI server withdraws the node's objects.
     class(&client, &late, "WaitForFirstConsumer").await;
@@ -319,17 +294,9 @@ async fn objects_follow_their_node_to_the_garbage_collector() {
         .delete(&node, &DeleteParams::background())
         .await
         .expect("delete node");
-    until(
-        "the garbage collector to remove the object",
-        WAIT,
-        || async {
-            match api.get_opt(&name).await.map_err(|e| e.to_string())? {
-                None => Ok(()),
-                Some(_) => Err("still there".to_string()),
-            }
-        },
-    )
-    .await
-    .expect("collected with the node");
+    // The garbage collector removes objects whose owner is gone.
+    objects::wait_gone(&api, &name, WAIT)
+        .await
+        .expect("collected with the node");
     driver.stop().await;
 }

@@ -2,19 +2,15 @@
 //! whose driver stopped renewing its Lease, even though the Node, its labels and its CSINode
 //! entry remain; a driver restarted within the grace keeps its claims.
 
-use std::collections::BTreeMap;
 use std::sync::OnceLock;
 use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{
-    Namespace, PersistentVolumeClaim, PersistentVolumeClaimSpec, VolumeResourceRequirements,
-};
-use k8s_openapi::api::storage::v1::StorageClass;
-use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::api::core::v1::PersistentVolumeClaim;
 use kube::Api;
-use kube::api::{ObjectMeta, PostParams};
+use kube::api::PostParams;
 use testenv::node_driver::NodeDriverDirs;
+use testenv::objects;
 use testenv::wait::until;
 use testenv::{NodeSpec, ProcessSpec, Supervised, TestEnv, TestEnvBuilder};
 
@@ -80,37 +76,11 @@ fn node_driver(env: &TestEnv, node: &str, dirs: &NodeDriverDirs) -> Supervised {
 }
 
 fn claim(name: &str, ns: &str, class: &str, node: &str) -> PersistentVolumeClaim {
-    PersistentVolumeClaim {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            namespace: Some(ns.into()),
-            annotations: Some(BTreeMap::from([(SELECTED.to_string(), node.to_string())])),
-            ..Default::default()
-        },
-        spec: Some(PersistentVolumeClaimSpec {
-            access_modes: Some(vec!["ReadWriteOnce".into()]),
-            storage_class_name: Some(class.into()),
-            resources: Some(VolumeResourceRequirements {
-                requests: Some(BTreeMap::from([(
-                    "storage".to_string(),
-                    Quantity("1Gi".into()),
-                )])),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
+    objects::selected_for(objects::claim(ns, name, class, "1Gi"), node)
 }
 
 async fn selected(api: &Api<PersistentVolumeClaim>, name: &str) -> Option<String> {
-    api.get(name)
-        .await
-        .ok()?
-        .metadata
-        .annotations?
-        .get(SELECTED)
-        .cloned()
+    objects::selected_node(api, name).await
 }
 
 async fn wait_unselected(api: &Api<PersistentVolumeClaim>, name: &str) {
@@ -128,35 +98,14 @@ async fn wait_unselected(api: &Api<PersistentVolumeClaim>, name: &str) {
 async fn stopped_driver_loses_its_claims_restarted_one_keeps_them() {
     let f = fixture();
     let client = f.env.client().await.expect("client");
-    let _ = Api::<Namespace>::all(client.clone())
-        .create(
-            &PostParams::default(),
-            &Namespace {
-                metadata: ObjectMeta {
-                    name: Some("pmem-csi".into()),
-                    ..Default::default()
-                },
-                ..Default::default()
-            },
-        )
-        .await;
+    objects::ensure_namespace(&client, "pmem-csi")
+        .await
+        .expect("namespace");
     let ns = testenv::test_namespace(&client, "heartbeat")
         .await
         .expect("ns");
     let class = format!("{ns}-pmem");
-    Api::<StorageClass>::all(client.clone())
-        .create(
-            &PostParams::default(),
-            &StorageClass {
-                metadata: ObjectMeta {
-                    name: Some(class.clone()),
-                    ..Default::default()
-                },
-                provisioner: DRIVER.into(),
-                volume_binding_mode: Some("WaitForFirstConsumer".into()),
-                ..Default::default()
-            },
-        )
+    objects::create_storage_class(&client, &class, DRIVER, "WaitForFirstConsumer")
         .await
         .expect("class");
     let root = tempfile::tempdir().expect("tempdir");

@@ -1,18 +1,14 @@
 //! Two `pmem-csi controller` processes with leader election: only the leader reschedules; when
 //! it is killed with SIGKILL, the other takes over and handles new claims.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{
-    Event, Namespace, PersistentVolumeClaim, PersistentVolumeClaimSpec, VolumeResourceRequirements,
-};
-use k8s_openapi::api::storage::v1::StorageClass;
-use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::api::core::v1::{Event, PersistentVolumeClaim};
 use kube::Api;
-use kube::api::{ListParams, ObjectMeta, PostParams};
+use kube::api::{ListParams, PostParams};
 use rustix::process::Signal;
+use testenv::objects;
 use testenv::wait::until;
 use testenv::{NodeSpec, ProcessSpec, Supervised, TestEnv, TestEnvBuilder};
 
@@ -51,30 +47,7 @@ fn controller(env: &TestEnv, identity: &str, port: u16) -> Supervised {
 }
 
 fn claim(name: &str, ns: &str, class: &str) -> PersistentVolumeClaim {
-    PersistentVolumeClaim {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            namespace: Some(ns.into()),
-            annotations: Some(BTreeMap::from([(
-                SELECTED.to_string(),
-                "node-1".to_string(),
-            )])),
-            ..Default::default()
-        },
-        spec: Some(PersistentVolumeClaimSpec {
-            access_modes: Some(vec!["ReadWriteOnce".into()]),
-            storage_class_name: Some(class.into()),
-            resources: Some(VolumeResourceRequirements {
-                requests: Some(BTreeMap::from([(
-                    "storage".to_string(),
-                    Quantity("1Gi".into()),
-                )])),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
+    objects::selected_for(objects::claim(ns, name, class, "1Gi"), "node-1")
 }
 
 async fn holder(leases: &Api<Lease>) -> Result<String, String> {
@@ -103,52 +76,21 @@ async fn rescheduled(api: &Api<PersistentVolumeClaim>, name: &str) {
 }
 
 async fn status(port: u16) -> String {
-    let client =
-        testenv::control_plane::anonymous_probe(&format!("http://127.0.0.1:{port}"), "metrics")
-            .expect("client");
-    client
-        .request_text(
-            http::Request::get("/metrics")
-                .body(Vec::new())
-                .expect("request"),
-        )
-        .await
-        .unwrap_or_default()
+    objects::scrape_metrics(port).await
 }
 
 #[tokio::test]
 async fn only_the_leader_acts_and_a_standby_takes_over() {
     let env = env();
     let client = env.client().await.expect("client");
-    let _ = Api::<Namespace>::all(client.clone())
-        .create(
-            &PostParams::default(),
-            &Namespace {
-                metadata: ObjectMeta {
-                    name: Some("pmem-csi".into()),
-                    ..Default::default()
-                },
-                ..Default::default()
-            },
-        )
-        .await;
+    objects::ensure_namespace(&client, "pmem-csi")
+        .await
+        .expect("namespace");
     let ns = testenv::test_namespace(&client, "leader")
         .await
         .expect("ns");
     let class = format!("{ns}-pmem");
-    Api::<StorageClass>::all(client.clone())
-        .create(
-            &PostParams::default(),
-            &StorageClass {
-                metadata: ObjectMeta {
-                    name: Some(class.clone()),
-                    ..Default::default()
-                },
-                provisioner: DRIVER.into(),
-                volume_binding_mode: Some("WaitForFirstConsumer".into()),
-                ..Default::default()
-            },
-        )
+    objects::create_storage_class(&client, &class, DRIVER, "WaitForFirstConsumer")
         .await
         .expect("class");
     let ports = [

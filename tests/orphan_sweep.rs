@@ -9,13 +9,13 @@ use driver::csi::controller_client::ControllerClient;
 use driver::csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
 use driver::csi::{CapacityRange, CreateVolumeRequest, ListVolumesRequest, VolumeCapability};
 use k8s_openapi::api::core::v1::{
-    CSIPersistentVolumeSource, Namespace, PersistentVolume, PersistentVolumeClaim,
-    PersistentVolumeClaimSpec, PersistentVolumeSpec, VolumeResourceRequirements,
+    CSIPersistentVolumeSource, PersistentVolume, PersistentVolumeClaim, PersistentVolumeSpec,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::Api;
 use kube::api::{ObjectMeta, PostParams};
 use testenv::node_driver::NodeDriverDirs;
+use testenv::objects;
 use testenv::wait::until;
 use testenv::{ProcessSpec, TestEnv, TestEnvBuilder};
 use tonic::transport::Channel;
@@ -31,30 +31,7 @@ fn env() -> &'static TestEnv {
 }
 
 fn claim(ns: &str, name: &str, node: &str) -> PersistentVolumeClaim {
-    PersistentVolumeClaim {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            namespace: Some(ns.into()),
-            annotations: Some(BTreeMap::from([(
-                "volume.kubernetes.io/selected-node".to_string(),
-                node.to_string(),
-            )])),
-            ..Default::default()
-        },
-        spec: Some(PersistentVolumeClaimSpec {
-            access_modes: Some(vec!["ReadWriteOnce".into()]),
-            storage_class_name: Some("no-such-class".into()),
-            resources: Some(VolumeResourceRequirements {
-                requests: Some(BTreeMap::from([(
-                    "storage".to_string(),
-                    Quantity("4Mi".into()),
-                )])),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
+    objects::selected_for(objects::claim(ns, name, "no-such-class", "4Mi"), node)
 }
 
 async fn create(csi: &mut ControllerClient<Channel>, ns: &str, claim: &str) -> String {
@@ -106,18 +83,9 @@ async fn ids(csi: &mut ControllerClient<Channel>) -> Vec<String> {
 async fn deletes_orphans_keeps_the_rest() {
     let env = env();
     let client = env.client().await.expect("client");
-    let _ = Api::<Namespace>::all(client.clone())
-        .create(
-            &PostParams::default(),
-            &Namespace {
-                metadata: ObjectMeta {
-                    name: Some("pmem-csi".into()),
-                    ..Default::default()
-                },
-                ..Default::default()
-            },
-        )
-        .await;
+    objects::ensure_namespace(&client, "pmem-csi")
+        .await
+        .expect("namespace");
     let ns = testenv::test_namespace(&client, "orphans")
         .await
         .expect("ns");

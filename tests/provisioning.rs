@@ -3,20 +3,19 @@
 //! scheduler picks a node from the published capacity, the node's provisioner creates the
 //! volume through our driver, kube-controller-manager binds, and deletion cleans up.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use driver::csi::ListVolumesRequest;
 use driver::csi::controller_client::ControllerClient;
 use k8s_openapi::api::core::v1::{
-    Container, PersistentVolume, PersistentVolumeClaim, PersistentVolumeClaimSpec,
-    PersistentVolumeClaimVolumeSource, Pod, PodSpec, Volume, VolumeResourceRequirements,
+    Container, PersistentVolume, PersistentVolumeClaim, PersistentVolumeClaimVolumeSource, Pod,
+    PodSpec, Volume,
 };
-use k8s_openapi::api::storage::v1::{CSIDriver, CSIDriverSpec, CSIStorageCapacity, StorageClass};
-use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::api::storage::v1::{CSIDriver, CSIDriverSpec, CSIStorageCapacity};
 use kube::Api;
 use kube::api::{DeleteParams, ListParams, ObjectMeta, PostParams};
 use testenv::node_processes::DriverOptions;
+use testenv::objects;
 use testenv::wait::until;
 use testenv::{TestEnv, TestEnvBuilder};
 
@@ -77,17 +76,7 @@ async fn late_binding_claim_is_provisioned_on_the_scheduled_node_and_cleaned_up(
         .await
         .expect("ns");
     let class = format!("{ns}-pmem");
-    Api::<StorageClass>::all(client.clone())
-        .create(
-            &pp,
-            &StorageClass {
-                metadata: meta(&class, None),
-                provisioner: DRIVER.into(),
-                volume_binding_mode: Some("WaitForFirstConsumer".into()),
-                reclaim_policy: Some("Delete".into()),
-                ..Default::default()
-            },
-        )
+    objects::create_storage_class(&client, &class, DRIVER, "WaitForFirstConsumer")
         .await
         .expect("class");
     let capacities = Api::<CSIStorageCapacity>::namespaced(client.clone(), "pmem-csi");
@@ -112,25 +101,7 @@ async fn late_binding_claim_is_provisioned_on_the_scheduled_node_and_cleaned_up(
 
     let claims = Api::<PersistentVolumeClaim>::namespaced(client.clone(), &ns);
     claims
-        .create(
-            &pp,
-            &PersistentVolumeClaim {
-                metadata: meta("data", Some(&ns)),
-                spec: Some(PersistentVolumeClaimSpec {
-                    access_modes: Some(vec!["ReadWriteOnce".into()]),
-                    storage_class_name: Some(class.clone()),
-                    resources: Some(VolumeResourceRequirements {
-                        requests: Some(BTreeMap::from([(
-                            "storage".to_string(),
-                            Quantity("64Mi".into()),
-                        )])),
-                        ..Default::default()
-                    }),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            },
-        )
+        .create(&pp, &objects::claim(&ns, "data", &class, "64Mi"))
         .await
         .expect("claim");
     let pods = Api::<Pod>::namespaced(client.clone(), &ns);

@@ -6,14 +6,11 @@ use std::collections::BTreeMap;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{
-    Event, Namespace, Node, PersistentVolumeClaim, PersistentVolumeClaimSpec,
-    VolumeResourceRequirements,
-};
-use k8s_openapi::api::storage::v1::StorageClass;
+use k8s_openapi::api::core::v1::{Event, Node, PersistentVolumeClaim};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::Api;
 use kube::api::{DeleteParams, ListParams, ObjectMeta, PostParams};
+use testenv::objects;
 use testenv::wait::until;
 use testenv::{NodeSpec, ProcessSpec, Supervised, TestEnv, TestEnvBuilder};
 
@@ -72,96 +69,41 @@ fn claim(
     node: Option<&str>,
     volume: Option<&str>,
 ) -> PersistentVolumeClaim {
-    PersistentVolumeClaim {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            namespace: Some(ns.into()),
-            annotations: node.map(|n| BTreeMap::from([(SELECTED.to_string(), n.to_string())])),
-            ..Default::default()
-        },
-        spec: Some(PersistentVolumeClaimSpec {
-            access_modes: Some(vec!["ReadWriteOnce".into()]),
-            storage_class_name: Some(class.into()),
-            volume_name: volume.map(str::to_string),
-            resources: Some(VolumeResourceRequirements {
-                requests: Some(BTreeMap::from([(
-                    "storage".to_string(),
-                    Quantity("1Gi".into()),
-                )])),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }),
-        ..Default::default()
+    let mut c = objects::claim(ns, name, class, "1Gi");
+    if let Some(node) = node {
+        c = objects::selected_for(c, node);
     }
+    if let Some(spec) = c.spec.as_mut() {
+        spec.volume_name = volume.map(str::to_string);
+    }
+    c
 }
 
 async fn class(client: &kube::Client, name: &str, provisioner: &str) {
-    Api::<StorageClass>::all(client.clone())
-        .create(
-            &PostParams::default(),
-            &StorageClass {
-                metadata: ObjectMeta {
-                    name: Some(name.into()),
-                    ..Default::default()
-                },
-                provisioner: provisioner.into(),
-                volume_binding_mode: Some("WaitForFirstConsumer".into()),
-                ..Default::default()
-            },
-        )
+    objects::create_storage_class(client, name, provisioner, "WaitForFirstConsumer")
         .await
         .expect("class");
 }
 
 async fn selected(api: &Api<PersistentVolumeClaim>, name: &str) -> Option<String> {
-    api.get(name)
-        .await
-        .ok()?
-        .metadata
-        .annotations?
-        .get(SELECTED)
-        .cloned()
+    objects::selected_node(api, name).await
 }
 
 async fn metrics(port: u16) -> String {
-    let client =
-        testenv::control_plane::anonymous_probe(&format!("http://127.0.0.1:{port}"), "metrics")
-            .expect("client");
-    client
-        .request_text(
-            http::Request::get("/metrics")
-                .body(Vec::new())
-                .expect("request"),
-        )
-        .await
-        .unwrap_or_default()
+    objects::scrape_metrics(port).await
 }
 
 fn counter(text: &str, prefix: &str) -> u64 {
-    text.lines()
-        .find(|l| l.starts_with(prefix))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse::<f64>().ok())
-        .map_or(0, |v| v as u64)
+    objects::metric_value(text, prefix)
 }
 
 #[tokio::test]
 async fn unsets_selected_node_only_where_the_driver_definitely_does_not_run() {
     let f = fixture();
     let client = f.env.client().await.expect("client");
-    let _ = Api::<Namespace>::all(client.clone())
-        .create(
-            &PostParams::default(),
-            &Namespace {
-                metadata: ObjectMeta {
-                    name: Some("pmem-csi".into()),
-                    ..Default::default()
-                },
-                ..Default::default()
-            },
-        )
-        .await;
+    objects::ensure_namespace(&client, "pmem-csi")
+        .await
+        .expect("namespace");
     let ns = testenv::test_namespace(&client, "rescheduler")
         .await
         .expect("ns");
@@ -347,18 +289,9 @@ async fn cleans_up_capacity_of_driverless_nodes_and_deleted_classes() {
     use k8s_openapi::api::storage::v1::CSIStorageCapacity;
     let f = fixture();
     let client = f.env.client().await.expect("client");
-    let _ = Api::<Namespace>::all(client.clone())
-        .create(
-            &PostParams::default(),
-            &Namespace {
-                metadata: ObjectMeta {
-                    name: Some("pmem-csi".into()),
-                    ..Default::default()
-                },
-                ..Default::default()
-            },
-        )
-        .await;
+    objects::ensure_namespace(&client, "pmem-csi")
+        .await
+        .expect("namespace");
     let ns = testenv::test_namespace(&client, "cleanup")
         .await
         .expect("ns");
@@ -378,14 +311,9 @@ async fn cleans_up_capacity_of_driverless_nodes_and_deleted_classes() {
             .expect("capacity object");
     }
     for name in [&driverless, &no_class] {
-        until(&format!("{name} to be cleaned up"), WAIT, || async {
-            match api.get_opt(name).await.map_err(|e| e.to_string())? {
-                None => Ok(()),
-                Some(_) => Err("still there".to_string()),
-            }
-        })
-        .await
-        .expect("cleaned up");
+        objects::wait_gone(&api, name, WAIT)
+            .await
+            .expect("cleaned up");
     }
     assert!(
         api.get_opt(&keep).await.expect("get").is_some(),

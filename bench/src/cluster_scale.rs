@@ -12,9 +12,9 @@ use driver::csi::volume_capability::{AccessMode, AccessType, MountVolume, access
 use driver::csi::{CapacityRange, CreateVolumeRequest, VolumeCapability};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{
-    Namespace, PersistentVolumeClaim, PersistentVolumeClaimSpec, VolumeResourceRequirements,
+    PersistentVolumeClaim, PersistentVolumeClaimSpec, VolumeResourceRequirements,
 };
-use k8s_openapi::api::storage::v1::{CSIStorageCapacity, StorageClass};
+use k8s_openapi::api::storage::v1::CSIStorageCapacity;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::Api;
 use kube::api::{ObjectMeta, PostParams};
@@ -26,46 +26,16 @@ use crate::report::{Benchmark, Target};
 const DRIVER: &str = "pmem-csi.intel.com";
 
 async fn ensure_namespace(client: &kube::Client, name: &str) -> anyhow::Result<()> {
-    let ns = Namespace {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    match Api::<Namespace>::all(client.clone())
-        .create(&PostParams::default(), &ns)
-        .await
-    {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
-        Err(e) => Err(e.into()),
-    }
+    Ok(testenv::objects::ensure_namespace(client, name).await?)
 }
 
 async fn class(client: &kube::Client, name: &str) -> anyhow::Result<()> {
-    Api::<StorageClass>::all(client.clone())
-        .create(
-            &PostParams::default(),
-            &StorageClass {
-                metadata: ObjectMeta {
-                    name: Some(name.into()),
-                    ..Default::default()
-                },
-                provisioner: DRIVER.into(),
-                volume_binding_mode: Some("WaitForFirstConsumer".into()),
-                ..Default::default()
-            },
-        )
-        .await?;
+    testenv::objects::create_storage_class(client, name, DRIVER, "WaitForFirstConsumer").await?;
     Ok(())
 }
 
 fn metric(text: &str, prefix: &str) -> u64 {
-    text.lines()
-        .filter(|l| l.starts_with(prefix))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>() as u64
+    testenv::objects::metric_value(text, prefix)
 }
 
 fn rss_bytes(pid: u32) -> u64 {

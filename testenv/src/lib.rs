@@ -9,6 +9,7 @@ pub mod leftovers;
 pub mod node_driver;
 pub mod node_processes;
 pub mod nodes;
+pub mod objects;
 pub mod pki;
 pub mod ports;
 pub mod process;

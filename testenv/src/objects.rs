@@ -1,0 +1,172 @@
+//! Builders and helpers for the Kubernetes objects tests create, in one place instead of a copy
+//! per test file.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{
+    Namespace, PersistentVolumeClaim, PersistentVolumeClaimSpec, VolumeResourceRequirements,
+};
+use k8s_openapi::api::storage::v1::StorageClass;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::api::{ObjectMeta, PostParams};
+use kube::{Api, Resource};
+use serde::de::DeserializeOwned;
+
+use crate::wait::{Timeout, until};
+
+/// The annotation the scheduler sets on a late-binding claim.
+pub const SELECTED_NODE: &str = "volume.kubernetes.io/selected-node";
+
+/// Creates namespace `name` unless it exists.
+pub async fn ensure_namespace(client: &kube::Client, name: &str) -> Result<(), kube::Error> {
+    let namespace = Namespace {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    match Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &namespace)
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Creates StorageClass `name` of `provisioner` with `binding_mode` (reclaim policy Delete).
+pub async fn create_storage_class(
+    client: &kube::Client,
+    name: &str,
+    provisioner: &str,
+    binding_mode: &str,
+) -> Result<StorageClass, kube::Error> {
+    Api::<StorageClass>::all(client.clone())
+        .create(
+            &PostParams::default(),
+            &StorageClass {
+                metadata: ObjectMeta {
+                    name: Some(name.into()),
+                    ..Default::default()
+                },
+                provisioner: provisioner.into(),
+                volume_binding_mode: Some(binding_mode.into()),
+                reclaim_policy: Some("Delete".into()),
+                ..Default::default()
+            },
+        )
+        .await
+}
+
+/// A ReadWriteOnce claim of `size` in class `class`.
+pub fn claim(namespace: &str, name: &str, class: &str, size: &str) -> PersistentVolumeClaim {
+    PersistentVolumeClaim {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(namespace.into()),
+            ..Default::default()
+        },
+        spec: Some(PersistentVolumeClaimSpec {
+            access_modes: Some(vec!["ReadWriteOnce".into()]),
+            storage_class_name: Some(class.into()),
+            resources: Some(VolumeResourceRequirements {
+                requests: Some(BTreeMap::from([(
+                    "storage".to_string(),
+                    Quantity(size.into()),
+                )])),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// `claim` as if the scheduler had selected `node` for it.
+pub fn selected_for(mut claim: PersistentVolumeClaim, node: &str) -> PersistentVolumeClaim {
+    claim
+        .metadata
+        .annotations
+        .get_or_insert_with(Default::default)
+        .insert(SELECTED_NODE.into(), node.into());
+    claim
+}
+
+/// The selected node of claim `name`, if any (and if the claim exists).
+pub async fn selected_node(api: &Api<PersistentVolumeClaim>, name: &str) -> Option<String> {
+    api.get(name)
+        .await
+        .ok()?
+        .metadata
+        .annotations?
+        .get(SELECTED_NODE)
+        .cloned()
+}
+
+/// Waits until object `name` no longer exists.
+pub async fn wait_gone<K>(api: &Api<K>, name: &str, timeout: Duration) -> Result<(), Timeout>
+where
+    K: Resource + Clone + DeserializeOwned + std::fmt::Debug,
+{
+    until(&format!("{name} to be gone"), timeout, || async {
+        match api.get_opt(name).await.map_err(|e| e.to_string())? {
+            None => Ok(()),
+            Some(_) => Err("still there".to_string()),
+        }
+    })
+    .await
+}
+
+/// The text of `http://127.0.0.1:<port>/metrics` (empty if unreachable).
+pub async fn scrape_metrics(port: u16) -> String {
+    let Ok(client) =
+        crate::control_plane::anonymous_probe(&format!("http://127.0.0.1:{port}"), "metrics")
+    else {
+        return String::new();
+    };
+    let Ok(request) = http::Request::get("/metrics").body(Vec::new()) else {
+        return String::new();
+    };
+    client.request_text(request).await.unwrap_or_default()
+}
+
+/// The sum of the samples whose line starts with `prefix` (a metric name with labels).
+pub fn metric_value(text: &str, prefix: &str) -> u64 {
+    text.lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn claim_builders() {
+        let c = selected_for(claim("ns", "data", "pmem", "1Gi"), "node-1");
+        assert_eq!(
+            c.metadata
+                .annotations
+                .unwrap_or_default()
+                .get(SELECTED_NODE)
+                .map(String::as_str),
+            Some("node-1")
+        );
+        assert_eq!(
+            c.spec.and_then(|s| s.storage_class_name).as_deref(),
+            Some("pmem")
+        );
+    }
+
+    #[test]
+    fn metric_value_sums_matching_lines() {
+        let text = "a_total{x=\"1\"} 2\na_total{x=\"2\"} 3\nb_total 7\n";
+        assert_eq!(metric_value(text, "a_total"), 5);
+        assert_eq!(metric_value(text, "b_total"), 7);
+        assert_eq!(metric_value(text, "c_total"), 0);
+    }
+}
