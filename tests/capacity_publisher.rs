@@ -16,9 +16,10 @@ use kube::Api;
 use kube::api::DeleteParams;
 use kube::runtime::watcher;
 use testenv::node_driver::NodeDriverDirs;
+use testenv::node_processes::DriverOptions;
 use testenv::objects;
 use testenv::wait::until;
-use testenv::{NodeSpec, ProcessSpec, Supervised, TestEnv, TestEnvBuilder};
+use testenv::{NodeSpec, Supervised, TestEnv, TestEnvBuilder};
 
 const DRIVER: &str = "pmem-csi.intel.com";
 const NAMESPACE: &str = "pmem-csi";
@@ -46,24 +47,7 @@ async fn class(client: &kube::Client, name: &str, mode: &str) {
 
 /// A supervised fake-backend node driver publishing for `node`.
 fn node_driver(env: &TestEnv, node: &str, dirs: &NodeDriverDirs) -> Supervised {
-    env.supervise(
-        ProcessSpec::new(
-            format!("{node}/pmem-csi"),
-            env!("CARGO_BIN_EXE_pmem-csi"),
-            format!("{node}-driver.log"),
-        )
-        .args([
-            "node".to_string(),
-            format!("--endpoint=unix://{}", dirs.socket.display()),
-            format!("--node-id={node}"),
-            "--device-mode=fake".into(),
-            "--emulated-size=1Gi".into(),
-            format!("--state-dir={}", dirs.state.display()),
-            format!("--namespace={NAMESPACE}"),
-            "--admin-address=127.0.0.1:0".into(),
-        ])
-        .env("KUBECONFIG", env.admin_kubeconfig()),
-    )
+    env.supervise_node_driver(node, dirs, &DriverOptions::fake("1Gi", &[]))
 }
 
 fn capability() -> VolumeCapability {

@@ -10,6 +10,7 @@ use k8s_openapi::api::core::v1::PersistentVolumeClaim;
 use kube::Api;
 use kube::api::PostParams;
 use testenv::node_driver::NodeDriverDirs;
+use testenv::node_processes::DriverOptions;
 use testenv::objects;
 use testenv::wait::until;
 use testenv::{NodeSpec, ProcessSpec, Supervised, TestEnv, TestEnvBuilder};
@@ -54,25 +55,7 @@ fn fixture() -> &'static Fixture {
 }
 
 fn node_driver(env: &TestEnv, node: &str, dirs: &NodeDriverDirs) -> Supervised {
-    env.supervise(
-        ProcessSpec::new(
-            format!("{node}/pmem-csi"),
-            env!("CARGO_BIN_EXE_pmem-csi"),
-            format!("{node}-driver.log"),
-        )
-        .args([
-            "node".to_string(),
-            format!("--endpoint=unix://{}", dirs.socket.display()),
-            format!("--node-id={node}"),
-            "--device-mode=fake".into(),
-            "--emulated-size=1Gi".into(),
-            format!("--state-dir={}", dirs.state.display()),
-            "--namespace=pmem-csi".into(),
-            "--heartbeat-period=1s".into(),
-            "--admin-address=127.0.0.1:0".into(),
-        ])
-        .env("KUBECONFIG", env.admin_kubeconfig()),
-    )
+    env.supervise_node_driver(node, dirs, &DriverOptions::fake("1Gi", &[]))
 }
 
 fn claim(name: &str, ns: &str, class: &str, node: &str) -> PersistentVolumeClaim {

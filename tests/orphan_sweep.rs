@@ -15,9 +15,10 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::Api;
 use kube::api::{ObjectMeta, PostParams};
 use testenv::node_driver::NodeDriverDirs;
+use testenv::node_processes::DriverOptions;
 use testenv::objects;
 use testenv::wait::until;
-use testenv::{ProcessSpec, TestEnv, TestEnvBuilder};
+use testenv::{TestEnv, TestEnvBuilder};
 use tonic::transport::Channel;
 
 const DRIVER: &str = "pmem-csi.intel.com";
@@ -103,23 +104,11 @@ async fn deletes_orphans_keeps_the_rest() {
     let root = tempfile::tempdir().expect("tempdir");
     let dirs = NodeDriverDirs::under(root.path());
     let port = testenv::ports::free_port().expect("port");
-    let driver = env.supervise(
-        ProcessSpec::new(
-            "node-1/pmem-csi",
-            env!("CARGO_BIN_EXE_pmem-csi"),
-            "orphans-driver.log",
-        )
-        .args([
-            "node".to_string(),
-            format!("--endpoint=unix://{}", dirs.socket.display()),
-            "--node-id=node-1".into(),
-            "--device-mode=fake".into(),
-            "--emulated-size=1Gi".into(),
-            format!("--state-dir={}", dirs.state.display()),
-            "--orphan-grace=2s".into(),
-            format!("--admin-address=127.0.0.1:{port}"),
-        ])
-        .env("KUBECONFIG", env.admin_kubeconfig()),
+    let admin = format!("--admin-address=127.0.0.1:{port}");
+    let driver = env.supervise_node_driver(
+        "node-1",
+        &dirs,
+        &DriverOptions::fake("1Gi", &["--orphan-grace=2s", &admin]),
     );
     testenv::node_driver::wait_for_path(&dirs.socket, WAIT)
         .await

@@ -322,6 +322,25 @@ impl TestEnv {
         }
     }
 
+    /// Starts a supervised `pmem-csi node` for `node`, its files in `dirs`, talking to this
+    /// testenv's apiserver with the arguments testenv's own node processes get.
+    pub fn supervise_node_driver(
+        &self,
+        node: &str,
+        dirs: &node_driver::NodeDriverDirs,
+        options: &node_processes::DriverOptions,
+    ) -> Supervised {
+        self.supervise(
+            ProcessSpec::new(
+                format!("{node}/pmem-csi"),
+                self.tools.pmem_csi(),
+                format!("{node}-pmem-csi.log"),
+            )
+            .args(node_processes::driver_args(node, dirs, options))
+            .env("KUBECONFIG", self.admin_kubeconfig()),
+        )
+    }
+
     /// Takes the processes of `node` out of the testenv's hands (to stop or kill them).
     pub fn take_node_processes(&self, node: &str) -> Option<node_processes::NodeProcesses> {
         let mut all = self

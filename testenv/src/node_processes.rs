@@ -85,10 +85,16 @@ pub fn driver_args(node: &str, dirs: &NodeDriverDirs, options: &DriverOptions) -
         format!("--state-dir={}", dirs.state.display()),
         format!("--namespace={DRIVER_NAMESPACE}"),
         "--heartbeat-period=1s".into(),
-        "--admin-address=127.0.0.1:0".into(),
     ];
     if options.device_mode == "emulated" {
         args.push(format!("--emulated-dir={}", dirs.region.display()));
+    }
+    if !options
+        .extra_args
+        .iter()
+        .any(|a| a.starts_with("--admin-address"))
+    {
+        args.push("--admin-address=127.0.0.1:0".into());
     }
     args.extend(options.extra_args.iter().cloned());
     args
@@ -128,6 +134,17 @@ pub struct NodeLauncher {
     pub driver_name: String,
     /// How the driver runs.
     pub options: DriverOptions,
+}
+
+impl DriverOptions {
+    /// The fake backend with a region of `size` and extra flags.
+    pub fn fake(size: &str, extra_args: &[&str]) -> Self {
+        Self {
+            device_mode: "fake".into(),
+            size: size.into(),
+            extra_args: extra_args.iter().map(|a| a.to_string()).collect(),
+        }
+    }
 }
 
 impl NodeLauncher {
