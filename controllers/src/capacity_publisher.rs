@@ -393,13 +393,17 @@ async fn publish<S: CapacitySource>(node: &Node, ctx: &Context<S>) -> Result<Act
             }
             Change::Replace(o) => {
                 let name = o.metadata.name.clone().unwrap_or_default();
-                (
-                    "replacing",
-                    name.clone(),
-                    api.replace(&name, &PostParams::default(), o)
-                        .await
-                        .map(|_| ()),
-                )
+                let r = match api.replace(&name, &PostParams::default(), o).await {
+                    // Deleted meanwhile (the controller's clean-up while this node was cut
+                    // off): create it afresh instead of retrying a replace forever.
+                    Err(kube::Error::Api(e)) if e.code == 404 => {
+                        let mut fresh = o.clone();
+                        fresh.metadata.resource_version = None;
+                        api.create(&PostParams::default(), &fresh).await.map(|_| ())
+                    }
+                    other => other.map(|_| ()),
+                };
+                ("replacing", name, r)
             }
             Change::Delete(name) => {
                 let r = match api.delete(name, &DeleteParams::default()).await {

@@ -3,7 +3,7 @@
 //! off — is deleted once it is older than `--orphan-grace`, so that rescheduling after a lost
 //! node never leaks capacity. The decision is pure; the sweep around it reads the cluster.
 
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
@@ -63,6 +63,11 @@ pub enum OrphanVerdict {
 pub struct ClaimNow {
     /// `spec.volumeName`.
     pub volume_name: Option<String>,
+    /// Whether the PV the claim is bound to is this node's volume (same handle and this node
+    /// in its node affinity), if that PV exists. PV names and volume IDs both derive from the
+    /// claim's UID, so two nodes provisioning one claim after a partition hold volumes of the
+    /// same ID recorded under the same PV name: only the PV's node tells them apart.
+    pub bound_here: Option<bool>,
     /// The selected-node annotation.
     pub selected_node: Option<String>,
 }
@@ -82,7 +87,7 @@ pub struct VolumeFacts {
     pub claim_now: Option<ClaimNow>,
 }
 
-/// Decides about one volume of `node`.
+/// Decides about volume `id` of `node`.
 pub fn judge(v: &VolumeFacts, node: &str, grace: Duration) -> OrphanVerdict {
     if v.claim.is_none() {
         return OrphanVerdict::Keep(KeepReason::NoClaimRecorded);
@@ -96,10 +101,15 @@ pub fn judge(v: &VolumeFacts, node: &str, grace: Duration) -> OrphanVerdict {
     let Some(claim) = &v.claim_now else {
         return OrphanVerdict::Delete(OrphanReason::ClaimGone);
     };
-    if let Some(bound) = claim.volume_name.as_deref().filter(|b| !b.is_empty())
-        && Some(bound) != v.pv_name.as_deref()
-    {
-        return OrphanVerdict::Delete(OrphanReason::BoundElsewhere);
+    if let Some(bound) = claim.volume_name.as_deref().filter(|b| !b.is_empty()) {
+        match claim.bound_here {
+            Some(false) => return OrphanVerdict::Delete(OrphanReason::BoundElsewhere),
+            Some(true) => return OrphanVerdict::Keep(KeepReason::Referenced),
+            None if Some(bound) != v.pv_name.as_deref() => {
+                return OrphanVerdict::Delete(OrphanReason::BoundElsewhere);
+            }
+            None => {}
+        }
     }
     if claim.selected_node.as_deref().is_some_and(|n| n != node) {
         return OrphanVerdict::Delete(OrphanReason::SelectedElsewhere);
@@ -204,29 +214,50 @@ async fn sweep<T: SweepTarget>(
     if candidates.is_empty() {
         return Ok(());
     }
-    let handles: BTreeSet<String> = Api::<PersistentVolume>::all(client.clone())
-        .list(&Default::default())
-        .await?
-        .items
-        .into_iter()
-        .filter_map(|pv| {
-            pv.spec?
-                .csi
-                .filter(|c| c.driver == driver)
-                .map(|c| c.volume_handle)
-        })
-        .collect();
+    // PV name → (volume handle, node of its node affinity), for this driver's PVs.
+    let topology_key = format!("{driver}/node");
+    let pvs: BTreeMap<String, (String, Option<String>)> =
+        Api::<PersistentVolume>::all(client.clone())
+            .list(&Default::default())
+            .await?
+            .items
+            .into_iter()
+            .filter_map(|pv| {
+                let spec = pv.spec?;
+                let handle = spec.csi.filter(|c| c.driver == driver)?.volume_handle;
+                let pv_node = spec
+                    .node_affinity
+                    .and_then(|a| a.required)
+                    .into_iter()
+                    .flat_map(|r| r.node_selector_terms)
+                    .flat_map(|t| t.match_expressions.unwrap_or_default())
+                    .find(|e| e.key == topology_key)
+                    .and_then(|e| e.values.unwrap_or_default().into_iter().next());
+                Some((pv.metadata.name?, (handle, pv_node)))
+            })
+            .collect();
+    // A PV without node affinity is taken to mean this node: never delete on a guess.
+    let is_ours = |id: &str, (handle, pv_node): &(String, Option<String>)| {
+        handle == id && pv_node.as_deref().is_none_or(|n| n == node)
+    };
     for c in candidates {
         let claim_now = match &c.claim {
             Some((ns, name)) => Api::<PersistentVolumeClaim>::namespaced(client.clone(), ns)
                 .get_opt(name)
                 .await?
-                .map(|pvc| ClaimNow {
-                    volume_name: pvc.spec.and_then(|s| s.volume_name),
-                    selected_node: pvc
-                        .metadata
-                        .annotations
-                        .and_then(|a| a.get(SELECTED_NODE).cloned()),
+                .map(|pvc| {
+                    let volume_name = pvc.spec.and_then(|s| s.volume_name);
+                    ClaimNow {
+                        bound_here: volume_name
+                            .as_ref()
+                            .and_then(|n| pvs.get(n))
+                            .map(|pv| is_ours(&c.id, pv)),
+                        volume_name,
+                        selected_node: pvc
+                            .metadata
+                            .annotations
+                            .and_then(|a| a.get(SELECTED_NODE).cloned()),
+                    }
                 }),
             None => None,
         };
@@ -234,7 +265,7 @@ async fn sweep<T: SweepTarget>(
             age: c.age,
             claim: c.claim.clone(),
             pv_name: c.pv_name.clone(),
-            referenced: handles.contains(&c.id),
+            referenced: pvs.values().any(|pv| is_ours(&c.id, pv)),
             claim_now,
         };
         if let OrphanVerdict::Delete(reason) = judge(&facts, node, grace) {
@@ -264,6 +295,7 @@ mod tests {
             referenced: false,
             claim_now: Some(ClaimNow {
                 volume_name: None,
+                bound_here: None,
                 selected_node: Some("n1".into()),
             }),
         }
@@ -274,7 +306,15 @@ mod tests {
         let claim = |volume_name: Option<&str>, selected: Option<&str>| {
             Some(ClaimNow {
                 volume_name: volume_name.map(str::to_string),
+                bound_here: None,
                 selected_node: selected.map(str::to_string),
+            })
+        };
+        let bound = |here: bool| {
+            Some(ClaimNow {
+                volume_name: Some("pvc-1".into()),
+                bound_here: Some(here),
+                selected_node: Some("n1".into()),
             })
         };
         for (name, v, want) in [
@@ -349,6 +389,22 @@ mod tests {
                     ..facts()
                 },
                 OrphanVerdict::Keep(KeepReason::ClaimPendingHere),
+            ),
+            (
+                "same PV name, another node's handle (two provisioners after a partition)",
+                VolumeFacts {
+                    claim_now: bound(false),
+                    ..facts()
+                },
+                OrphanVerdict::Delete(OrphanReason::BoundElsewhere),
+            ),
+            (
+                "bound to a PV with this volume's handle",
+                VolumeFacts {
+                    claim_now: bound(true),
+                    ..facts()
+                },
+                OrphanVerdict::Keep(KeepReason::Referenced),
             ),
         ] {
             assert_eq!(judge(&v, "n1", GRACE), want, "{name}");

@@ -19,8 +19,35 @@ fn chosen() -> Option<&'static str> {
         .as_deref()
 }
 
+/// Environment variable `<point>:<milliseconds>` naming a point to pause at (partition tests
+/// hold a call in flight with it).
+pub const DELAY_ENV: &str = "PMEM_CSI_TEST_DELAY";
+
+fn delay_at() -> Option<(&'static str, std::time::Duration)> {
+    static DELAY: OnceLock<Option<(String, u64)>> = OnceLock::new();
+    DELAY
+        .get_or_init(|| {
+            let v = std::env::var(DELAY_ENV).ok()?;
+            let (point, ms) = v.split_once(':')?;
+            Some((point.to_string(), ms.parse().ok()?))
+        })
+        .as_ref()
+        .map(|(p, ms)| (p.as_str(), std::time::Duration::from_millis(*ms)))
+}
+
+/// Pauses here if this is the point `PMEM_CSI_TEST_DELAY` names.
+pub fn pause(name: &str) {
+    if let Some((point, delay)) = delay_at()
+        && point == name
+    {
+        tracing::warn!(point = name, ?delay, "test delay");
+        std::thread::sleep(delay);
+    }
+}
+
 /// Dies here if this is the chosen fault point.
 pub fn point(name: &str) {
+    pause(name);
     if chosen() == Some(name) {
         tracing::warn!(point = name, "fault point reached, killing the process");
         let _ =

@@ -13,6 +13,7 @@ pub mod objects;
 pub mod pki;
 pub mod ports;
 pub mod process;
+pub mod proxy;
 pub mod scheduler_config;
 pub mod tools;
 pub mod wait;
@@ -135,6 +136,7 @@ pub struct TestEnv {
     control_plane: Option<ControlPlane>,
     runtime: Handle,
     node_processes: std::sync::Mutex<Vec<node_processes::NodeProcesses>>,
+    proxies: Vec<(String, proxy::TcpProxy)>,
     /// Cancelled first on stop, so that no supervisor restarts what teardown kills.
     shutdown: CancellationToken,
     // Declared last: dropped after the components, so their graceful stop comes first.
@@ -163,7 +165,7 @@ impl TestEnv {
         tracing::info!(dir = %dir.path().display(), "starting testenv");
         let control_plane =
             ControlPlane::start(dir.path(), &tools, &pki, &group, &builder.scheduler).await?;
-        let env = Self {
+        let mut env = Self {
             dir,
             tools,
             driver_name: builder.driver_name,
@@ -171,6 +173,7 @@ impl TestEnv {
             control_plane: Some(control_plane),
             runtime,
             node_processes: Default::default(),
+            proxies: Vec::new(),
             shutdown: CancellationToken::new(),
             group,
         };
@@ -203,8 +206,17 @@ impl TestEnv {
                 driver_name: env.driver_name.clone(),
                 options,
             };
-            for node in env.nodes.iter().filter(|n| n.driver) {
-                let processes = launcher.start(node, |spec| env.supervise(spec)).await?;
+            let driver_nodes: Vec<NodeSpec> =
+                env.nodes.iter().filter(|n| n.driver).cloned().collect();
+            for node in &driver_nodes {
+                let kubeconfig = if launcher.options.partitionable {
+                    Some(env.partitionable_kubeconfig(&node.name).await?)
+                } else {
+                    None
+                };
+                let processes = launcher
+                    .start(node, kubeconfig.as_deref(), |spec| env.supervise(spec))
+                    .await?;
                 env.node_processes
                     .lock()
                     .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -339,6 +351,47 @@ impl TestEnv {
             .args(node_processes::driver_args(node, dirs, options))
             .env("KUBECONFIG", self.admin_kubeconfig()),
         )
+    }
+
+    /// A proxy to the apiserver for `node`'s processes and a kubeconfig through it.
+    async fn partitionable_kubeconfig(&mut self, node: &str) -> Result<PathBuf, TestEnvError> {
+        let server = self.server();
+        let target: std::net::SocketAddr =
+            server
+                .trim_start_matches("https://")
+                .parse()
+                .map_err(|e| TestEnvError::WorkDir {
+                    parent: PathBuf::from(&server),
+                    source: std::io::Error::other(e),
+                })?;
+        let proxy = proxy::TcpProxy::start(target, self.shutdown.child_token())
+            .await
+            .map_err(|source| TestEnvError::WorkDir {
+                parent: PathBuf::from(&server),
+                source,
+            })?;
+        let admin = std::fs::read_to_string(self.admin_kubeconfig()).map_err(|source| {
+            TestEnvError::WorkDir {
+                parent: self.admin_kubeconfig(),
+                source,
+            }
+        })?;
+        let path = self.dir().join(format!("pki/{node}-via-proxy.kubeconfig"));
+        std::fs::write(
+            &path,
+            admin.replace(&server, &format!("https://{}", proxy.address())),
+        )
+        .map_err(|source| TestEnvError::WorkDir {
+            parent: path.clone(),
+            source,
+        })?;
+        self.proxies.push((node.to_string(), proxy));
+        Ok(path)
+    }
+
+    /// The proxy between `node`'s processes and the apiserver (with partitionable drivers).
+    pub fn proxy(&self, node: &str) -> Option<&proxy::TcpProxy> {
+        self.proxies.iter().find(|(n, _)| n == node).map(|(_, p)| p)
     }
 
     /// Takes the processes of `node` out of the testenv's hands (to stop or kill them).

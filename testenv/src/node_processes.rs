@@ -28,6 +28,10 @@ pub struct DriverOptions {
     pub size: String,
     /// Extra flags for `pmem-csi node`.
     pub extra_args: Vec<String>,
+    /// Extra environment of `pmem-csi node` (test hooks such as `PMEM_CSI_TEST_DELAY`).
+    pub env: Vec<(String, String)>,
+    /// Connect each node's processes through a [`crate::proxy::TcpProxy`] that tests can cut.
+    pub partitionable: bool,
 }
 
 impl Default for DriverOptions {
@@ -36,6 +40,8 @@ impl Default for DriverOptions {
             device_mode: "emulated".into(),
             size: "1Gi".into(),
             extra_args: Vec::new(),
+            env: Vec::new(),
+            partitionable: false,
         }
     }
 }
@@ -143,27 +149,34 @@ impl DriverOptions {
             device_mode: "fake".into(),
             size: size.into(),
             extra_args: extra_args.iter().map(|a| a.to_string()).collect(),
+            env: Vec::new(),
+            partitionable: false,
         }
     }
 }
 
 impl NodeLauncher {
-    /// Starts the processes of `node` and registers the driver in its CSINode once it serves.
+    /// Starts the processes of `node` and registers the driver in its CSINode once it serves;
+    /// they reach the apiserver with `kubeconfig` (the launcher's when `None`).
     pub async fn start(
         &self,
         node: &NodeSpec,
+        kubeconfig: Option<&Path>,
         supervise: impl Fn(ProcessSpec) -> Supervised,
     ) -> Result<NodeProcesses, NodeProcessesError> {
+        let kubeconfig = kubeconfig.unwrap_or(&self.kubeconfig);
         let dirs = NodeDriverDirs::under(&self.root.join("nodes").join(&node.name));
-        let driver = supervise(
-            ProcessSpec::new(
-                format!("{}/pmem-csi", node.name),
-                self.tools.pmem_csi(),
-                format!("{}-pmem-csi.log", node.name),
-            )
-            .args(driver_args(&node.name, &dirs, &self.options))
-            .env("KUBECONFIG", &self.kubeconfig),
-        );
+        let mut spec = ProcessSpec::new(
+            format!("{}/pmem-csi", node.name),
+            self.tools.pmem_csi(),
+            format!("{}-pmem-csi.log", node.name),
+        )
+        .args(driver_args(&node.name, &dirs, &self.options))
+        .env("KUBECONFIG", kubeconfig);
+        for (k, v) in &self.options.env {
+            spec = spec.env(k, v);
+        }
+        let driver = supervise(spec);
         node_driver::wait_for_path(&dirs.socket, Duration::from_secs(60))
             .await
             .map_err(|source| NodeProcessesError::Driver {
@@ -184,7 +197,7 @@ impl NodeLauncher {
                 self.tools.go("csi-provisioner"),
                 format!("{}-csi-provisioner.log", node.name),
             )
-            .args(provisioner_args(&dirs.socket, &self.kubeconfig))
+            .args(provisioner_args(&dirs.socket, kubeconfig))
             .env("NODE_NAME", &node.name),
         );
         Ok(NodeProcesses {
