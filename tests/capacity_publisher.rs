@@ -99,7 +99,9 @@ async fn publishes_follows_coalesces_and_withdraws() {
     class(&client, &immediate, "Immediate").await;
     let root = tempfile::tempdir().expect("tempdir");
     let dirs = NodeDriverDirs::under(root.path());
-    let driver = node_driver(env, "node-1", &dirs);
+    let port = testenv::ports::free_port().expect("port");
+    let admin = format!("--admin-address=127.0.0.1:{port}");
+    let driver = env.supervise_node_driver("node-1", &dirs, &DriverOptions::fake("1Gi", &[&admin]));
     testenv::node_driver::wait_for_path(&dirs.socket, WAIT)
         .await
         .expect("socket");
@@ -221,6 +223,18 @@ async fn publishes_follows_coalesces_and_withdraws() {
     let burst_writes = writes.load(Ordering::SeqCst);
     watch.abort();
     println!("50 creates caused {burst_writes} writes to the capacity object");
+    let text = objects::scrape_metrics(port).await;
+    let reconciles = objects::metric_value(
+        &text,
+        "controller_runtime_reconcile_total{controller=\"capacity-publisher\",result=\"success\"}",
+    ) + objects::metric_value(
+        &text,
+        "controller_runtime_reconcile_total{controller=\"capacity-publisher\",result=\"requeue_after\"}",
+    );
+    assert!(
+        reconciles >= 1,
+        "the publisher reconciled its Node:\n{text}"
+    );
     assert!(
         burst_writes <= 10,
         "50 creates caused {burst_writes} writes"

@@ -315,6 +315,18 @@ async fn cleans_up_capacity_of_driverless_nodes_and_deleted_classes() {
             .await
             .expect("cleaned up");
     }
+    let text = metrics(f.metrics_port).await;
+    let reconciles = counter(
+        &text,
+        "controller_runtime_reconcile_total{controller=\"capacity-cleanup\",result=\"success\"}",
+    ) + counter(
+        &text,
+        "controller_runtime_reconcile_total{controller=\"capacity-cleanup\",result=\"requeue_after\"}",
+    );
+    assert!(
+        reconciles >= 3,
+        "{reconciles} clean-up reconciles for 3 objects:\n{text}"
+    );
     assert!(
         api.get_opt(&keep).await.expect("get").is_some(),
         "capacity of a node with the driver stays"

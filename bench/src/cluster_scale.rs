@@ -149,7 +149,7 @@ pub async fn rescheduler_pass(
     controller.stop().await;
     let flags = serde_json::json!({
         "nodes": nodes, "claims": claims, "reschedule_grace": "10m",
-        "client_rate_limit": "none (kube-rs default)", "pass_includes_process_start_and_cache_sync": true,
+        "kube_api_qps": 20, "kube_api_burst": 40, "pass_includes_process_start_and_cache_sync": true,
     });
     Ok(vec![
         Benchmark {

@@ -15,6 +15,7 @@ use kube::runtime::watcher;
 use tokio_util::sync::CancellationToken;
 
 use crate::capacity_publisher::DRIVER_LABEL;
+use crate::error_backoff::ErrorBackoff;
 use crate::liveness::{DriverlessReason, Liveness};
 use crate::liveness_view::LivenessView;
 use crate::reconcile_metrics::{ReconcileMetrics, ReconcileResult};
@@ -87,6 +88,7 @@ pub struct CleanupError {
 }
 
 struct Context {
+    backoff: ErrorBackoff<CSIStorageCapacity>,
     client: kube::Client,
     stores: Stores,
     liveness: LivenessView,
@@ -105,6 +107,7 @@ pub async fn run(
     let settings = liveness.settings().clone();
     let api = Api::<CSIStorageCapacity>::namespaced(client.clone(), &settings.namespace);
     let ctx = Arc::new(Context {
+        backoff: ErrorBackoff::default(),
         client,
         stores,
         liveness,
@@ -117,9 +120,10 @@ pub async fn run(
     .graceful_shutdown_on(shutdown.cancelled_owned())
     .run(
         reconcile,
-        |_, e: &CleanupError, _| {
-            tracing::warn!("{e}; retrying");
-            Action::requeue(Duration::from_secs(2))
+        |object, e: &CleanupError, ctx: Arc<Context>| {
+            let delay = ctx.backoff.failed(&object);
+            tracing::warn!("{e}; retrying in {delay:?}");
+            Action::requeue(delay)
         },
         ctx,
     )
@@ -133,6 +137,9 @@ async fn reconcile(
 ) -> Result<Action, CleanupError> {
     let active = ctx.reconciles.start(CONTROLLER);
     let result = clean(&object, &ctx).await;
+    if result.is_ok() {
+        ctx.backoff.succeeded(&object);
+    }
     active.finish(match &result {
         Ok(a) if *a == Action::await_change() => ReconcileResult::Success,
         Ok(_) => ReconcileResult::RequeueAfter,

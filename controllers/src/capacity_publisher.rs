@@ -20,6 +20,7 @@ use kube::runtime::watcher;
 use tokio_util::sync::CancellationToken;
 
 use crate::capacity_source::{CapacitySource, NodeCapacity};
+use crate::error_backoff::ErrorBackoff;
 use crate::names::shorten;
 use crate::quantity;
 use crate::reconcile_metrics::{ReconcileMetrics, ReconcileResult};
@@ -254,6 +255,7 @@ pub struct CapacityPublisher<S: CapacitySource> {
 }
 
 struct Context<S: CapacitySource> {
+    backoff: ErrorBackoff<Node>,
     client: kube::Client,
     publisher: Publisher,
     source: Arc<S>,
@@ -301,6 +303,7 @@ impl<S: CapacitySource> CapacityPublisher<S> {
         let changes = tokio_stream::wrappers::WatchStream::new(self.source.changes())
             .map(move |_| to_node_c());
         let ctx = Arc::new(Context {
+            backoff: ErrorBackoff::default(),
             client: self.client.clone(),
             publisher: self.publisher.clone(),
             source: self.source.clone(),
@@ -350,6 +353,9 @@ async fn reconcile<S: CapacitySource>(
 ) -> Result<Action, PublishError> {
     let active = ctx.reconciles.start(CONTROLLER);
     let result = publish(&node, &ctx).await;
+    if result.is_ok() {
+        ctx.backoff.succeeded(&node);
+    }
     active.finish(if result.is_ok() {
         ReconcileResult::RequeueAfter
     } else {
@@ -421,13 +427,14 @@ async fn publish<S: CapacitySource>(node: &Node, ctx: &Context<S>) -> Result<Act
 }
 
 fn error_policy<S: CapacitySource>(
-    _node: Arc<Node>,
+    node: Arc<Node>,
     error: &PublishError,
-    _ctx: Arc<Context<S>>,
+    ctx: Arc<Context<S>>,
 ) -> Action {
-    tracing::warn!("{error}; retrying");
-    // Conflicts resolve as soon as the watch delivers the newer object.
-    Action::requeue(Duration::from_secs(1))
+    // Conflicts resolve once the watch delivers the newer object; the first retry is quick.
+    let delay = ctx.backoff.failed(&node);
+    tracing::warn!("{error}; retrying in {delay:?}");
+    Action::requeue(delay)
 }
 
 #[cfg(test)]

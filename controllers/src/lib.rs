@@ -7,6 +7,7 @@ pub mod capacity_publisher;
 pub mod capacity_source;
 pub mod controller_process;
 pub mod duration;
+pub mod error_backoff;
 pub mod heartbeat;
 pub mod leader;
 pub mod liveness;

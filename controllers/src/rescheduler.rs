@@ -3,8 +3,7 @@
 //! scheduler picks another node. Never otherwise: a node that may still start the driver could
 //! provision the claim at the same time as the next one, and one of the volumes would leak.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -21,6 +20,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
+use crate::error_backoff::ErrorBackoff;
 use crate::liveness::{DriverlessReason, Liveness};
 use crate::liveness_view::LivenessView;
 use crate::reconcile_metrics::{ReconcileMetrics, ReconcileResult};
@@ -224,7 +224,7 @@ pub struct Rescheduler {
     recorder: Recorder,
     metrics: ReschedulerMetrics,
     reconciles: ReconcileMetrics,
-    failures: Mutex<HashMap<ObjectRef<PersistentVolumeClaim>, u32>>,
+    backoff: ErrorBackoff<PersistentVolumeClaim>,
 }
 
 /// The facts of `claim`, its class looked up in `classes`.
@@ -270,7 +270,7 @@ impl Rescheduler {
             liveness,
             metrics,
             reconciles,
-            failures: Mutex::default(),
+            backoff: ErrorBackoff::default(),
         }
     }
 
@@ -376,20 +376,6 @@ impl Rescheduler {
         }
         Ok(Action::await_change())
     }
-
-    fn backoff(&self, claim: &PersistentVolumeClaim, failed: bool) -> Duration {
-        let key = ObjectRef::from_obj(claim);
-        let mut failures = self.failures.lock().unwrap_or_else(PoisonError::into_inner);
-        if !failed {
-            failures.remove(&key);
-            return Duration::ZERO;
-        }
-        let n = failures.entry(key).or_insert(0);
-        *n = n.saturating_add(1);
-        // 500 ms, 1 s, 2 s, … capped at 5 minutes.
-        Duration::from_millis(500u64.saturating_mul(1u64 << (*n - 1).min(20)))
-            .min(Duration::from_secs(300))
-    }
 }
 
 async fn reconcile(
@@ -404,7 +390,7 @@ async fn reconcile(
         Err(_) => ReconcileResult::Error,
     });
     if result.is_ok() {
-        ctx.backoff(&claim, false);
+        ctx.backoff.succeeded(&claim);
     }
     result
 }
@@ -414,7 +400,7 @@ fn error_policy(
     error: &RescheduleError,
     ctx: Arc<Rescheduler>,
 ) -> Action {
-    let delay = ctx.backoff(&claim, true);
+    let delay = ctx.backoff.failed(&claim);
     tracing::warn!("{error}; retrying in {delay:?}");
     Action::requeue(delay)
 }
