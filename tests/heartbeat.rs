@@ -13,7 +13,7 @@ use testenv::node_driver::NodeDriverDirs;
 use testenv::node_processes::DriverOptions;
 use testenv::objects;
 use testenv::wait::until;
-use testenv::{NodeSpec, ProcessSpec, Supervised, TestEnv, TestEnvBuilder};
+use testenv::{NodeSpec, Supervised, TestEnv, TestEnvBuilder};
 
 const DRIVER: &str = "pmem-csi.intel.com";
 const SELECTED: &str = "volume.kubernetes.io/selected-node";
@@ -31,21 +31,15 @@ fn fixture() -> &'static Fixture {
             TestEnv::builder().nodes(1)
         }
         let env = TestEnv::shared(configure);
-        let controller = env.supervise(
-            ProcessSpec::new(
-                "pmem-csi controller",
-                env!("CARGO_BIN_EXE_pmem-csi"),
-                "controller.log",
-            )
-            .args([
-                "controller",
+        let controller = env.supervise_controller(
+            "controller",
+            &[
                 "--node-selector=storage=pmem",
                 "--reschedule-grace=2s",
                 "--heartbeat-grace=1s",
                 "--namespace=pmem-csi",
                 "--admin-address=127.0.0.1:0",
-            ])
-            .env("KUBECONFIG", env.admin_kubeconfig()),
+            ],
         );
         Fixture {
             env,

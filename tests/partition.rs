@@ -7,17 +7,14 @@ use std::time::Duration;
 
 use driver::csi::ListVolumesRequest;
 use driver::csi::controller_client::ControllerClient;
-use k8s_openapi::api::core::v1::{
-    Container, PersistentVolume, PersistentVolumeClaim, PersistentVolumeClaimVolumeSource, Pod,
-    PodSpec, Volume,
-};
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::storage::v1::{CSIDriver, CSIDriverSpec};
 use kube::Api;
 use kube::api::{ListParams, ObjectMeta, PostParams};
 use testenv::node_processes::DriverOptions;
 use testenv::objects;
 use testenv::wait::until;
-use testenv::{ProcessSpec, Supervised, TestEnv, TestEnvBuilder};
+use testenv::{Supervised, TestEnv, TestEnvBuilder};
 
 const DRIVER: &str = "pmem-csi.intel.com";
 const WAIT: Duration = Duration::from_secs(120);
@@ -44,21 +41,15 @@ fn fixture() -> &'static Fixture {
             })
         }
         let env = TestEnv::shared(configure);
-        let controller = env.supervise(
-            ProcessSpec::new(
-                "pmem-csi controller",
-                env!("CARGO_BIN_EXE_pmem-csi"),
-                "controller.log",
-            )
-            .args([
-                "controller",
+        let controller = env.supervise_controller(
+            "controller",
+            &[
                 "--node-selector=storage=pmem",
                 "--reschedule-grace=2s",
                 "--heartbeat-grace=1s",
                 "--namespace=pmem-csi",
                 "--admin-address=127.0.0.1:0",
-            ])
-            .env("KUBECONFIG", env.admin_kubeconfig()),
+            ],
         );
         Fixture {
             env,
@@ -150,33 +141,7 @@ async fn partitioned_node_loses_the_claim_and_its_volume() {
         .await
         .expect("claim");
     Api::<Pod>::namespaced(client.clone(), &ns)
-        .create(
-            &pp,
-            &Pod {
-                metadata: ObjectMeta {
-                    name: Some("app".into()),
-                    namespace: Some(ns.clone()),
-                    ..Default::default()
-                },
-                spec: Some(PodSpec {
-                    containers: vec![Container {
-                        name: "app".into(),
-                        image: Some("registry.invalid/app".into()),
-                        ..Default::default()
-                    }],
-                    volumes: Some(vec![Volume {
-                        name: "data".into(),
-                        persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
-                            claim_name: "data".into(),
-                            read_only: None,
-                        }),
-                        ..Default::default()
-                    }]),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            },
-        )
+        .create(&pp, &objects::pod_with_claim(&ns, "app", "data"))
         .await
         .expect("pod");
 

@@ -7,10 +7,7 @@ use std::time::Duration;
 
 use driver::csi::ListVolumesRequest;
 use driver::csi::controller_client::ControllerClient;
-use k8s_openapi::api::core::v1::{
-    Container, PersistentVolume, PersistentVolumeClaim, PersistentVolumeClaimVolumeSource, Pod,
-    PodSpec, Volume,
-};
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::storage::v1::{CSIDriver, CSIDriverSpec, CSIStorageCapacity};
 use kube::Api;
 use kube::api::{DeleteParams, ListParams, ObjectMeta, PostParams};
@@ -105,31 +102,9 @@ async fn late_binding_claim_is_provisioned_on_the_scheduled_node_and_cleaned_up(
         .await
         .expect("claim");
     let pods = Api::<Pod>::namespaced(client.clone(), &ns);
-    pods.create(
-        &pp,
-        &Pod {
-            metadata: meta("app", Some(&ns)),
-            spec: Some(PodSpec {
-                containers: vec![Container {
-                    name: "app".into(),
-                    image: Some("registry.invalid/app".into()),
-                    ..Default::default()
-                }],
-                volumes: Some(vec![Volume {
-                    name: "data".into(),
-                    persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
-                        claim_name: "data".into(),
-                        read_only: None,
-                    }),
-                    ..Default::default()
-                }]),
-                ..Default::default()
-            }),
-            ..Default::default()
-        },
-    )
-    .await
-    .expect("pod");
+    pods.create(&pp, &objects::pod_with_claim(&ns, "app", "data"))
+        .await
+        .expect("pod");
 
     let node = until("the pod to be bound to a node", WAIT, || async {
         pods.get("app")

@@ -394,6 +394,16 @@ impl TestEnv {
         self.proxies.iter().find(|(n, _)| n == node).map(|(_, p)| p)
     }
 
+    /// Starts a supervised `pmem-csi controller` with `args` (after the subcommand) against
+    /// this testenv, logging to `logs/<name>.log`.
+    pub fn supervise_controller(&self, name: &str, args: &[&str]) -> Supervised {
+        self.supervise(
+            ProcessSpec::new(name, self.tools.pmem_csi(), format!("{name}.log"))
+                .args(std::iter::once("controller").chain(args.iter().copied()))
+                .env("KUBECONFIG", self.admin_kubeconfig()),
+        )
+    }
+
     /// Takes the processes of `node` out of the testenv's hands (to stop or kill them).
     pub fn take_node_processes(&self, node: &str) -> Option<node_processes::NodeProcesses> {
         let mut all = self

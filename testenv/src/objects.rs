@@ -95,6 +95,37 @@ pub fn selected_for(mut claim: PersistentVolumeClaim, node: &str) -> PersistentV
     claim
 }
 
+/// A one-container pod mounting claim `claim` (no kubelet runs it: it is only scheduled).
+pub fn pod_with_claim(namespace: &str, name: &str, claim: &str) -> k8s_openapi::api::core::v1::Pod {
+    use k8s_openapi::api::core::v1::{
+        Container, PersistentVolumeClaimVolumeSource, Pod, PodSpec, Volume,
+    };
+    Pod {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(namespace.into()),
+            ..Default::default()
+        },
+        spec: Some(PodSpec {
+            containers: vec![Container {
+                name: "app".into(),
+                image: Some("registry.invalid/app".into()),
+                ..Default::default()
+            }],
+            volumes: Some(vec![Volume {
+                name: "data".into(),
+                persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                    claim_name: claim.into(),
+                    read_only: None,
+                }),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
 /// The selected node of claim `name`, if any (and if the claim exists).
 pub async fn selected_node(api: &Api<PersistentVolumeClaim>, name: &str) -> Option<String> {
     api.get(name)

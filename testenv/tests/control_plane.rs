@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{
-    ConfigMap, Container, Event, PersistentVolumeClaim, PersistentVolumeClaimSpec,
-    PersistentVolumeClaimVolumeSource, Pod, PodSpec, Volume, VolumeResourceRequirements,
+    ConfigMap, Event, PersistentVolumeClaim, PersistentVolumeClaimSpec, Pod,
+    VolumeResourceRequirements,
 };
 use k8s_openapi::api::storage::v1::{CSIDriver, CSIDriverSpec, CSIStorageCapacity, StorageClass};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -97,29 +97,7 @@ async fn claim_and_pod(client: &kube::Client, ns: &str, class: &str, size: &str)
         .await
         .expect("create PVC");
     Api::<Pod>::namespaced(client.clone(), ns)
-        .create(
-            &pp,
-            &Pod {
-                metadata: meta_in("app", ns),
-                spec: Some(PodSpec {
-                    containers: vec![Container {
-                        name: "app".into(),
-                        image: Some("registry.invalid/app".into()),
-                        ..Default::default()
-                    }],
-                    volumes: Some(vec![Volume {
-                        name: "data".into(),
-                        persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
-                            claim_name: "data".into(),
-                            read_only: None,
-                        }),
-                        ..Default::default()
-                    }]),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            },
-        )
+        .create(&pp, &testenv::objects::pod_with_claim(ns, "app", "data"))
         .await
         .expect("create Pod");
 }
