@@ -22,15 +22,47 @@ async fn main() -> anyhow::Result<()> {
     let mut term = signal(SignalKind::terminate()).context("SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("SIGINT handler")?;
     let env = tokio::select! {
-        env = TestEnv::builder().nodes(nodes).start() => env.context("starting testenv")?,
+        env = TestEnv::builder()
+            .nodes(nodes)
+            .drivers(testenv::node_processes::DriverOptions::default())
+            .start() => env.context("starting testenv")?,
         _ = int.recv() => return Ok(()),
         _ = term.recv() => return Ok(()),
     };
+    // What the manifests will install: the CSIDriver (capacity tracking on) and a late-binding class.
+    let client = env.client().await.context("client")?;
+    let driver = k8s_openapi::api::storage::v1::CSIDriver {
+        metadata: kube::api::ObjectMeta {
+            name: Some(env.driver_name().into()),
+            ..Default::default()
+        },
+        spec: k8s_openapi::api::storage::v1::CSIDriverSpec {
+            attach_required: Some(false),
+            storage_capacity: Some(true),
+            pod_info_on_mount: Some(true),
+            volume_lifecycle_modes: Some(vec!["Persistent".into(), "Ephemeral".into()]),
+            ..Default::default()
+        },
+    };
+    kube::Api::<k8s_openapi::api::storage::v1::CSIDriver>::all(client.clone())
+        .create(&Default::default(), &driver)
+        .await
+        .context("creating the CSIDriver")?;
+    testenv::objects::create_storage_class(
+        &client,
+        "pmem-csi-sc",
+        env.driver_name(),
+        "WaitForFirstConsumer",
+    )
+    .await
+    .context("creating the StorageClass")?;
     let kubectl = env.tools().go("kubectl");
     let names: Vec<&str> = env.nodes().iter().map(|n| n.name.as_str()).collect();
     println!(
         "\ntestenv is up: a real control plane on 127.0.0.1 (etcd, kube-apiserver, \
-         kube-controller-manager, kube-scheduler).\n\n  \
+         kube-controller-manager, kube-scheduler), and on every node pmem-csi node (emulated, 1 GiB) \
+         with csi-provisioner; StorageClass pmem-csi-sc (WaitForFirstConsumer) provisions a claim once a \
+         pod using it is scheduled (no kubelet runs the pod).\n\n  \
          export KUBECONFIG={}\n  \
          alias kubectl={}\n  \
          kubectl get nodes   # {}\n\n  \
