@@ -183,16 +183,9 @@ impl Cluster {
     }
 
     async fn list(&mut self) -> Vec<String> {
-        let mut ids: Vec<String> = self
-            .controller
-            .list_volumes(ListVolumesRequest::default())
+        let mut ids = driver::client::volume_ids(&mut self.controller)
             .await
-            .expect("list volumes")
-            .into_inner()
-            .entries
-            .into_iter()
-            .filter_map(|e| e.volume.map(|v| v.volume_id))
-            .collect();
+            .expect("list volumes");
         ids.sort();
         ids
     }

@@ -155,15 +155,9 @@ impl Harness {
     }
 
     async fn volume_ids(&mut self) -> Vec<String> {
-        self.controller
-            .list_volumes(ListVolumesRequest::default())
+        driver::client::volume_ids(&mut self.controller)
             .await
             .expect("list")
-            .into_inner()
-            .entries
-            .into_iter()
-            .filter_map(|e| e.volume.map(|v| v.volume_id))
-            .collect()
     }
 
     /// Stops the driver and checks that no loop device or mount of this test remains.

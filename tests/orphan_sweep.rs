@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use driver::csi::controller_client::ControllerClient;
 use driver::csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
-use driver::csi::{CapacityRange, CreateVolumeRequest, ListVolumesRequest, VolumeCapability};
+use driver::csi::{CapacityRange, CreateVolumeRequest, VolumeCapability};
 use k8s_openapi::api::core::v1::{
     CSIPersistentVolumeSource, PersistentVolume, PersistentVolumeClaim, PersistentVolumeSpec,
 };
@@ -70,14 +70,7 @@ async fn create(csi: &mut ControllerClient<Channel>, ns: &str, claim: &str) -> S
 }
 
 async fn ids(csi: &mut ControllerClient<Channel>) -> Vec<String> {
-    csi.list_volumes(ListVolumesRequest::default())
-        .await
-        .expect("list")
-        .into_inner()
-        .entries
-        .into_iter()
-        .filter_map(|e| e.volume.map(|v| v.volume_id))
-        .collect()
+    driver::client::volume_ids(csi).await.expect("list")
 }
 
 #[tokio::test]

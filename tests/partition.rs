@@ -5,12 +5,10 @@
 
 use std::time::Duration;
 
-use driver::csi::ListVolumesRequest;
 use driver::csi::controller_client::ControllerClient;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
-use k8s_openapi::api::storage::v1::{CSIDriver, CSIDriverSpec};
 use kube::Api;
-use kube::api::{ListParams, ObjectMeta, PostParams};
+use kube::api::{ListParams, PostParams};
 use testenv::node_processes::DriverOptions;
 use testenv::objects;
 use testenv::wait::until;
@@ -65,16 +63,8 @@ async fn volumes_on(env: &TestEnv, node: &str) -> Vec<String> {
     let Ok(channel) = driver::client::connect(&socket).await else {
         return Vec::new();
     };
-    ControllerClient::new(channel)
-        .list_volumes(ListVolumesRequest::default())
+    driver::client::volume_ids(&mut ControllerClient::new(channel))
         .await
-        .map(|r| {
-            r.into_inner()
-                .entries
-                .into_iter()
-                .filter_map(|e| e.volume.map(|v| v.volume_id))
-                .collect()
-        })
         .unwrap_or_default()
 }
 
@@ -94,22 +84,9 @@ async fn partitioned_node_loses_the_claim_and_its_volume() {
     let env = f.env;
     let client = env.client().await.expect("client");
     let pp = PostParams::default();
-    let _ = Api::<CSIDriver>::all(client.clone())
-        .create(
-            &pp,
-            &CSIDriver {
-                metadata: ObjectMeta {
-                    name: Some(DRIVER.into()),
-                    ..Default::default()
-                },
-                spec: CSIDriverSpec {
-                    attach_required: Some(false),
-                    storage_capacity: Some(true),
-                    ..Default::default()
-                },
-            },
-        )
-        .await;
+    objects::ensure_csi_driver(&client, DRIVER)
+        .await
+        .expect("CSIDriver");
     let ns = testenv::test_namespace(&client, "partition")
         .await
         .expect("ns");

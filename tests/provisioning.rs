@@ -5,12 +5,11 @@
 
 use std::time::Duration;
 
-use driver::csi::ListVolumesRequest;
 use driver::csi::controller_client::ControllerClient;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
-use k8s_openapi::api::storage::v1::{CSIDriver, CSIDriverSpec, CSIStorageCapacity};
+use k8s_openapi::api::storage::v1::CSIStorageCapacity;
 use kube::Api;
-use kube::api::{DeleteParams, ListParams, ObjectMeta, PostParams};
+use kube::api::{DeleteParams, ListParams, PostParams};
 use testenv::node_processes::DriverOptions;
 use testenv::objects;
 use testenv::wait::until;
@@ -28,25 +27,10 @@ fn env() -> &'static TestEnv {
     TestEnv::shared(configure)
 }
 
-fn meta(name: &str, ns: Option<&str>) -> ObjectMeta {
-    ObjectMeta {
-        name: Some(name.into()),
-        namespace: ns.map(str::to_string),
-        ..Default::default()
-    }
-}
-
 async fn volumes_on(env: &TestEnv, node: &str) -> Vec<String> {
     let socket = env.driver_socket(node).expect("driver socket");
     let mut csi = ControllerClient::new(driver::client::connect(&socket).await.expect("connect"));
-    csi.list_volumes(ListVolumesRequest::default())
-        .await
-        .expect("list")
-        .into_inner()
-        .entries
-        .into_iter()
-        .filter_map(|e| e.volume.map(|v| v.volume_id))
-        .collect()
+    driver::client::volume_ids(&mut csi).await.expect("list")
 }
 
 #[tokio::test]
@@ -54,21 +38,9 @@ async fn late_binding_claim_is_provisioned_on_the_scheduled_node_and_cleaned_up(
     let env = env();
     let client = env.client().await.expect("client");
     let pp = PostParams::default();
-    let _ = Api::<CSIDriver>::all(client.clone())
-        .create(
-            &pp,
-            &CSIDriver {
-                metadata: meta(DRIVER, None),
-                spec: CSIDriverSpec {
-                    attach_required: Some(false),
-                    storage_capacity: Some(true),
-                    pod_info_on_mount: Some(true),
-                    volume_lifecycle_modes: Some(vec!["Persistent".into(), "Ephemeral".into()]),
-                    ..Default::default()
-                },
-            },
-        )
-        .await;
+    objects::ensure_csi_driver(&client, DRIVER)
+        .await
+        .expect("CSIDriver");
     let ns = testenv::test_namespace(&client, "provisioning")
         .await
         .expect("ns");

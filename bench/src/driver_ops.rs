@@ -68,6 +68,18 @@ fn capability() -> VolumeCapability {
     }
 }
 
+fn create_request(name: String) -> CreateVolumeRequest {
+    CreateVolumeRequest {
+        name,
+        capacity_range: Some(CapacityRange {
+            required_bytes: VOLUME_SIZE as i64,
+            limit_bytes: 0,
+        }),
+        volume_capabilities: vec![capability()],
+        ..Default::default()
+    }
+}
+
 /// Create and delete latency (ms) and combined throughput (ops/s) of one device mode.
 async fn driver_samples(
     binary: &Path,
@@ -97,15 +109,7 @@ async fn driver_samples(
     // the driver and a cold directory cache.
     for i in 0..WARM_UP {
         let volume = client
-            .create_volume(CreateVolumeRequest {
-                name: format!("pvc-warm-up-{i}"),
-                capacity_range: Some(CapacityRange {
-                    required_bytes: VOLUME_SIZE as i64,
-                    limit_bytes: 0,
-                }),
-                volume_capabilities: vec![capability()],
-                ..Default::default()
-            })
+            .create_volume(create_request(format!("pvc-warm-up-{i}")))
             .await?
             .into_inner()
             .volume
@@ -127,15 +131,7 @@ async fn driver_samples(
         for i in 0..batch {
             let start = Instant::now();
             let volume = client
-                .create_volume(CreateVolumeRequest {
-                    name: format!("pvc-bench-{}", done + i),
-                    capacity_range: Some(CapacityRange {
-                        required_bytes: VOLUME_SIZE as i64,
-                        limit_bytes: 0,
-                    }),
-                    volume_capabilities: vec![capability()],
-                    ..Default::default()
-                })
+                .create_volume(create_request(format!("pvc-bench-{}", done + i)))
                 .await?
                 .into_inner()
                 .volume

@@ -20,3 +20,17 @@ pub async fn connect(socket: impl Into<PathBuf>) -> Result<Channel, tonic::trans
         }))
         .await
 }
+
+/// The IDs of every volume the driver lists (one unpaged ListVolumes call).
+pub async fn volume_ids(
+    client: &mut crate::csi::controller_client::ControllerClient<Channel>,
+) -> Result<Vec<String>, tonic::Status> {
+    Ok(client
+        .list_volumes(crate::csi::ListVolumesRequest::default())
+        .await?
+        .into_inner()
+        .entries
+        .into_iter()
+        .filter_map(|e| e.volume.map(|v| v.volume_id))
+        .collect())
+}

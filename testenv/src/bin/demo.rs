@@ -31,21 +31,7 @@ async fn main() -> anyhow::Result<()> {
     };
     // What the manifests will install: the CSIDriver (capacity tracking on) and a late-binding class.
     let client = env.client().await.context("client")?;
-    let driver = k8s_openapi::api::storage::v1::CSIDriver {
-        metadata: kube::api::ObjectMeta {
-            name: Some(env.driver_name().into()),
-            ..Default::default()
-        },
-        spec: k8s_openapi::api::storage::v1::CSIDriverSpec {
-            attach_required: Some(false),
-            storage_capacity: Some(true),
-            pod_info_on_mount: Some(true),
-            volume_lifecycle_modes: Some(vec!["Persistent".into(), "Ephemeral".into()]),
-            ..Default::default()
-        },
-    };
-    kube::Api::<k8s_openapi::api::storage::v1::CSIDriver>::all(client.clone())
-        .create(&Default::default(), &driver)
+    testenv::objects::ensure_csi_driver(&client, env.driver_name())
         .await
         .context("creating the CSIDriver")?;
     testenv::objects::create_storage_class(
