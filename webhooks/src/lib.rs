@@ -1,1 +1,16 @@
-//! The pod mutating webhook and the scheduler extender. Empty until the webhook and extender issue lands.
+//! The pod mutating webhook (HTTPS, in `pmem-csi controller`) and the scheduler extender
+//! (`pmem-csi extender`, plain HTTP on 127.0.0.1 beside kube-scheduler).
+//!
+//! Sans-IO cores (which volumes of a pod are pending PMEM demand, the mutation, the fit, the
+//! reservation book, the score) are pure functions over plain data; the servers around them
+//! stay thin.
+
+pub mod admission;
+pub mod extender_api;
+pub mod fit;
+pub mod https;
+pub mod mutation;
+pub mod pod_volumes;
+pub mod reservation_book;
+pub mod score;
+pub mod tls;
