@@ -1,1 +1,1098 @@
-//! Placeholder; filled in by the webhook and extender issue.
+//! Which volumes of a pod are pending PMEM demand of this driver, and how large each is.
+//!
+//! Shared by the pod mutating webhook (is the pod relevant at all?) and the scheduler extender
+//! (how much must fit on a node?). Sans-IO: the shell asks [`claims_to_look_up`], fills
+//! [`VolumeFacts::claims`], asks [`classes_to_look_up`], fills [`VolumeFacts::classes`] and
+//! [`VolumeFacts::default_class`], then calls [`pending_volumes`]. Each answer comes from a
+//! cache first and from at most one GET per miss; whatever is still unknown counts as missing.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod, Volume};
+use k8s_openapi::api::storage::v1::StorageClass;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
+/// The annotation kube-controller-manager sets on a claim to the provisioner that serves it.
+pub const STORAGE_PROVISIONER: &str = "volume.kubernetes.io/storage-provisioner";
+/// Its deprecated predecessor, still set by kube-controller-manager.
+pub const BETA_STORAGE_PROVISIONER: &str = "volume.beta.kubernetes.io/storage-provisioner";
+/// The annotation that marks a StorageClass as the cluster default.
+pub const DEFAULT_CLASS: &str = "storageclass.kubernetes.io/is-default-class";
+/// Its beta predecessor, still honoured by the DefaultStorageClass admission plugin.
+pub const BETA_DEFAULT_CLASS: &str = "storageclass.beta.kubernetes.io/is-default-class";
+/// The binding mode that provisions before a pod is scheduled, so a node is never chosen by us.
+pub const IMMEDIATE: &str = "Immediate";
+/// The volume attribute that sizes a CSI inline volume.
+pub const INLINE_SIZE: &str = "size";
+
+/// A PersistentVolumeClaim's identity.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ClaimKey {
+    /// The claim's namespace (always the pod's).
+    pub namespace: String,
+    /// The claim's name.
+    pub name: String,
+}
+
+impl ClaimKey {
+    /// A key from its parts.
+    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
+        ClaimKey {
+            namespace: namespace.into(),
+            name: name.into(),
+        }
+    }
+}
+
+/// What the classification needs to know about one existing claim.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ClaimFacts {
+    /// `spec.volumeName` is set, so nothing is left to provision.
+    pub bound: bool,
+    /// `spec.storageClassName`; `None` when absent or empty (both mean "no class").
+    pub storage_class: Option<String>,
+    /// The storage-provisioner annotation (or its beta predecessor).
+    pub provisioner_annotation: Option<String>,
+    /// `spec.resources.requests["storage"]` in bytes; `None` when absent, zero or unparseable.
+    pub size: Option<u64>,
+}
+
+impl From<&PersistentVolumeClaim> for ClaimFacts {
+    fn from(claim: &PersistentVolumeClaim) -> Self {
+        let spec = claim.spec.as_ref();
+        ClaimFacts {
+            bound: spec
+                .and_then(|s| s.volume_name.as_deref())
+                .is_some_and(|v| !v.is_empty()),
+            storage_class: spec.and_then(|s| non_empty(s.storage_class_name.as_deref())),
+            provisioner_annotation: provisioner_annotation(&claim.metadata),
+            size: spec.and_then(|s| storage_request(s.resources.as_ref()?.requests.as_ref())),
+        }
+    }
+}
+
+/// What the classification needs to know about one StorageClass.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClassFacts {
+    /// `provisioner`.
+    pub provisioner: String,
+    /// `volumeBindingMode` is set and is not `Immediate` (absent defaults to `Immediate`).
+    pub late_binding: bool,
+}
+
+impl From<&StorageClass> for ClassFacts {
+    fn from(class: &StorageClass) -> Self {
+        ClassFacts {
+            provisioner: class.provisioner.clone(),
+            late_binding: class
+                .volume_binding_mode
+                .as_deref()
+                .is_some_and(|mode| mode != IMMEDIATE),
+        }
+    }
+}
+
+/// Everything the shell looked up for one pod. An absent map entry and a `None` entry both
+/// mean "missing"; keeping `None` lets the shell remember a failed GET.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct VolumeFacts {
+    /// Claims by key; `None` when not found.
+    pub claims: BTreeMap<ClaimKey, Option<ClaimFacts>>,
+    /// StorageClasses by name; `None` when not found.
+    pub classes: BTreeMap<String, Option<ClassFacts>>,
+    /// The cluster's default class: `None` when not looked up, `Some(None)` when there is none.
+    pub default_class: Option<Option<ClassFacts>>,
+}
+
+/// The StorageClasses the second lookup step needs.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ClassLookups {
+    /// Class names, each once, sorted.
+    pub names: Vec<String>,
+    /// Whether a claim template without a class needs the cluster's default class.
+    pub default_class: bool,
+}
+
+impl ClassLookups {
+    /// Nothing to look up.
+    pub fn is_empty(&self) -> bool {
+        self.names.is_empty() && !self.default_class
+    }
+}
+
+/// Where a pending volume comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VolumeSource {
+    /// A PersistentVolumeClaim the pod names.
+    Claim(ClaimKey),
+    /// A generic ephemeral volume; the key is the claim the ephemeral controller creates for it.
+    Ephemeral(ClaimKey),
+    /// A CSI inline volume of this driver; it exists only in the pod.
+    Inline,
+}
+
+/// One volume of a pod that this driver still has to provision.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PendingVolume {
+    /// The volume's name in `spec.volumes`.
+    pub volume: String,
+    /// Where it comes from.
+    pub source: VolumeSource,
+    /// Requested bytes; `None` when absent, zero or unparseable (the caller picks a default).
+    pub size: Option<u64>,
+}
+
+/// How the extender identifies one entry of a pod's demand across requests.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum DemandKey {
+    /// A claim (named or ephemeral): its reservation ends when the claim shows a selected node.
+    Claim(ClaimKey),
+    /// An inline volume: it has no object of its own, so the pod's uid scopes it.
+    Inline {
+        /// `metadata.uid` of the pod.
+        pod_uid: String,
+        /// The volume's name in `spec.volumes`.
+        volume: String,
+    },
+}
+
+impl PendingVolume {
+    /// The key under which the extender books this volume for the pod with `pod_uid`.
+    pub fn key(&self, pod_uid: &str) -> DemandKey {
+        match &self.source {
+            VolumeSource::Claim(key) | VolumeSource::Ephemeral(key) => {
+                DemandKey::Claim(key.clone())
+            }
+            VolumeSource::Inline => DemandKey::Inline {
+                pod_uid: pod_uid.to_string(),
+                volume: self.volume.clone(),
+            },
+        }
+    }
+}
+
+/// The name of the claim the ephemeral volume controller creates for `volume` of `pod_name`.
+pub fn ephemeral_claim_name(pod_name: &str, volume: &str) -> String {
+    format!("{pod_name}-{volume}")
+}
+
+/// Step 1: the claims the pod refers to, each once, in volume order. Ephemeral claims are
+/// included only when the pod has a name: at CREATE with `generateName` the claim cannot exist.
+pub fn claims_to_look_up(pod: &Pod, namespace: &str) -> Vec<ClaimKey> {
+    let pod_name = pod.metadata.name.as_deref().unwrap_or_default();
+    let mut seen = BTreeSet::new();
+    volumes(pod)
+        .iter()
+        .filter_map(|volume| match classify(volume) {
+            Kind::Claim(name) => Some(ClaimKey::new(namespace, name)),
+            Kind::Ephemeral if !pod_name.is_empty() => Some(ClaimKey::new(
+                namespace,
+                ephemeral_claim_name(pod_name, &volume.name),
+            )),
+            _ => None,
+        })
+        .filter(|key| seen.insert(key.clone()))
+        .collect()
+}
+
+/// Step 2: the classes named by the pod's unbound claims (as found in `facts`) and by the
+/// templates of ephemeral volumes whose claim does not exist yet, minus those already in
+/// `facts`; and whether the default class is needed and not yet known.
+pub fn classes_to_look_up(pod: &Pod, namespace: &str, facts: &VolumeFacts) -> ClassLookups {
+    let pod_name = pod.metadata.name.as_deref().unwrap_or_default();
+    let mut names = BTreeSet::new();
+    let mut default_class = false;
+    for volume in volumes(pod) {
+        match classify(volume) {
+            Kind::Claim(name) => {
+                if let Some(class) = claim_facts(facts, namespace, name)
+                    .filter(|c| !c.bound)
+                    .and_then(|c| c.storage_class.as_deref())
+                {
+                    names.insert(class.to_string());
+                }
+            }
+            Kind::Ephemeral => {
+                let claim_name = ephemeral_claim_name(pod_name, &volume.name);
+                match (!pod_name.is_empty())
+                    .then(|| claim_facts(facts, namespace, &claim_name))
+                    .flatten()
+                {
+                    Some(claim) => {
+                        if let Some(class) = claim.storage_class.as_deref().filter(|_| !claim.bound)
+                        {
+                            names.insert(class.to_string());
+                        }
+                    }
+                    None => match template_class_name(volume) {
+                        TemplateClass::Named(class) => {
+                            names.insert(class.to_string());
+                        }
+                        TemplateClass::Default => default_class = true,
+                        TemplateClass::None => {}
+                    },
+                }
+            }
+            Kind::Inline(_) | Kind::Other => {}
+        }
+    }
+    ClassLookups {
+        names: names
+            .into_iter()
+            .filter(|name| !facts.classes.contains_key(name))
+            .collect(),
+        default_class: default_class && facts.default_class.is_none(),
+    }
+}
+
+/// The pod's volumes that this driver still has to provision, in volume order, each claim once.
+/// `namespace` is the pod's (the webhook substitutes the request's when the pod has none).
+pub fn pending_volumes(
+    pod: &Pod,
+    namespace: &str,
+    driver: &str,
+    facts: &VolumeFacts,
+) -> Vec<PendingVolume> {
+    let pod_name = pod.metadata.name.as_deref().unwrap_or_default();
+    let mut seen = BTreeSet::new();
+    let mut pending = Vec::new();
+    for volume in volumes(pod) {
+        let found = match classify(volume) {
+            Kind::Claim(name) => claim_facts(facts, namespace, name)
+                .filter(|claim| claim_is_ours(claim, driver, facts))
+                .map(|claim| {
+                    (
+                        VolumeSource::Claim(ClaimKey::new(namespace, name)),
+                        claim.size,
+                    )
+                }),
+            Kind::Ephemeral => {
+                let key = ClaimKey::new(namespace, ephemeral_claim_name(pod_name, &volume.name));
+                // Once the claim exists it is the truth: its class was resolved when it was
+                // created, and a bound one needs nothing more.
+                let existing = (!pod_name.is_empty())
+                    .then(|| claim_facts(facts, &key.namespace, &key.name))
+                    .flatten();
+                match existing {
+                    Some(claim) => claim_is_ours(claim, driver, facts).then_some(claim.size),
+                    None => template_is_ours(volume, driver, facts).then(|| template_size(volume)),
+                }
+                .map(|size| (VolumeSource::Ephemeral(key), size))
+            }
+            Kind::Inline(csi) => (csi.driver == driver).then(|| {
+                let size = csi
+                    .volume_attributes
+                    .as_ref()
+                    .and_then(|attrs| attrs.get(INLINE_SIZE))
+                    .and_then(|text| bytes(text));
+                (VolumeSource::Inline, size)
+            }),
+            Kind::Other => None,
+        };
+        let Some((source, size)) = found else {
+            continue;
+        };
+        if let VolumeSource::Claim(key) | VolumeSource::Ephemeral(key) = &source
+            && !seen.insert(key.clone())
+        {
+            continue;
+        }
+        pending.push(PendingVolume {
+            volume: volume.name.clone(),
+            source,
+            size,
+        });
+    }
+    pending
+}
+
+/// Whether `class` carries a default-class annotation with value `"true"`.
+pub fn is_default_class(class: &StorageClass) -> bool {
+    class.metadata.annotations.as_ref().is_some_and(|a| {
+        [DEFAULT_CLASS, BETA_DEFAULT_CLASS]
+            .iter()
+            .any(|key| a.get(*key).is_some_and(|v| v == "true"))
+    })
+}
+
+/// The class the DefaultStorageClass admission plugin would assign: among the default-annotated
+/// classes the newest by creationTimestamp, ties broken by the smaller name (as Kubernetes does).
+pub fn default_class<'a>(
+    classes: impl IntoIterator<Item = &'a StorageClass>,
+) -> Option<&'a StorageClass> {
+    classes
+        .into_iter()
+        .filter(|class| is_default_class(class))
+        .max_by(|a, b| {
+            a.metadata
+                .creation_timestamp
+                .cmp(&b.metadata.creation_timestamp)
+                .then_with(|| b.metadata.name.cmp(&a.metadata.name))
+        })
+}
+
+enum Kind<'a> {
+    Claim(&'a str),
+    Ephemeral,
+    Inline(&'a k8s_openapi::api::core::v1::CSIVolumeSource),
+    Other,
+}
+
+fn classify(volume: &Volume) -> Kind<'_> {
+    if let Some(claim) = volume
+        .persistent_volume_claim
+        .as_ref()
+        .filter(|c| !c.claim_name.is_empty())
+    {
+        Kind::Claim(&claim.claim_name)
+    } else if volume
+        .ephemeral
+        .as_ref()
+        .is_some_and(|e| e.volume_claim_template.is_some())
+    {
+        Kind::Ephemeral
+    } else if let Some(csi) = volume.csi.as_ref() {
+        Kind::Inline(csi)
+    } else {
+        Kind::Other
+    }
+}
+
+fn volumes(pod: &Pod) -> &[Volume] {
+    pod.spec
+        .as_ref()
+        .and_then(|spec| spec.volumes.as_deref())
+        .unwrap_or_default()
+}
+
+fn claim_facts<'a>(facts: &'a VolumeFacts, namespace: &str, name: &str) -> Option<&'a ClaimFacts> {
+    facts
+        .claims
+        .get(&ClaimKey::new(namespace, name))
+        .and_then(Option::as_ref)
+}
+
+fn claim_is_ours(claim: &ClaimFacts, driver: &str, facts: &VolumeFacts) -> bool {
+    if claim.bound {
+        return false;
+    }
+    let class = claim
+        .storage_class
+        .as_ref()
+        .and_then(|name| facts.classes.get(name))
+        .and_then(Option::as_ref);
+    class_is_ours(class, claim.provisioner_annotation.as_deref(), driver)
+}
+
+/// The test shared by claims and templates. Without a class object only the provisioner
+/// annotation can tell; it is set only for classes that wait, or for claims already handed to
+/// the provisioner, so it is treated as late binding.
+fn class_is_ours(class: Option<&ClassFacts>, annotation: Option<&str>, driver: &str) -> bool {
+    match class {
+        Some(class) => class.provisioner == driver && class.late_binding,
+        None => annotation == Some(driver),
+    }
+}
+
+enum TemplateClass<'a> {
+    Named(&'a str),
+    Default,
+    None,
+}
+
+fn template_class_name(volume: &Volume) -> TemplateClass<'_> {
+    let spec = volume
+        .ephemeral
+        .as_ref()
+        .and_then(|e| e.volume_claim_template.as_ref())
+        .map(|t| &t.spec);
+    match spec.and_then(|s| s.storage_class_name.as_deref()) {
+        None => TemplateClass::Default,
+        Some("") => TemplateClass::None,
+        Some(name) => TemplateClass::Named(name),
+    }
+}
+
+fn template_is_ours(volume: &Volume, driver: &str, facts: &VolumeFacts) -> bool {
+    let class = match template_class_name(volume) {
+        TemplateClass::Named(name) => facts.classes.get(name).and_then(Option::as_ref),
+        TemplateClass::Default => facts.default_class.as_ref().and_then(Option::as_ref),
+        TemplateClass::None => None,
+    };
+    let annotation = volume
+        .ephemeral
+        .as_ref()
+        .and_then(|e| e.volume_claim_template.as_ref())
+        .and_then(|t| t.metadata.as_ref())
+        .and_then(provisioner_annotation);
+    class_is_ours(class, annotation.as_deref(), driver)
+}
+
+fn template_size(volume: &Volume) -> Option<u64> {
+    let template = volume.ephemeral.as_ref()?.volume_claim_template.as_ref()?;
+    storage_request(template.spec.resources.as_ref()?.requests.as_ref())
+}
+
+fn provisioner_annotation(meta: &ObjectMeta) -> Option<String> {
+    let annotations = meta.annotations.as_ref()?;
+    annotations
+        .get(STORAGE_PROVISIONER)
+        .or_else(|| annotations.get(BETA_STORAGE_PROVISIONER))
+        .cloned()
+}
+
+fn storage_request(requests: Option<&BTreeMap<String, Quantity>>) -> Option<u64> {
+    bytes(&requests?.get("storage")?.0)
+}
+
+fn bytes(text: &str) -> Option<u64> {
+    controllers::quantity::parse_bytes(text)
+        .ok()
+        .filter(|&n| n > 0)
+}
+
+fn non_empty(text: Option<&str>) -> Option<String> {
+    text.filter(|t| !t.is_empty()).map(str::to_string)
+}
+
+/// Builders for pods, claims and classes shared by this crate's tests.
+#[cfg(test)]
+pub(crate) mod test_objects {
+    use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
+    use serde_json::{Value, json};
+
+    pub(crate) const DRIVER: &str = "pmem-csi.intel.com";
+
+    /// A pod with one container and the given volumes (as JSON).
+    pub(crate) fn pod(volumes: Vec<Value>) -> Pod {
+        pod_json(json!({
+            "metadata": {"name": "app", "namespace": "ns", "uid": "uid-1"},
+            "spec": {"containers": [{"name": "c", "image": "busybox"}], "volumes": volumes},
+        }))
+    }
+
+    /// A pod from its JSON form.
+    pub(crate) fn pod_json(value: Value) -> Pod {
+        serde_json::from_value(value).expect("test pod decodes")
+    }
+
+    pub(crate) fn pvc_volume(name: &str, claim: &str) -> Value {
+        json!({"name": name, "persistentVolumeClaim": {"claimName": claim}})
+    }
+
+    pub(crate) fn inline_volume(name: &str, driver: &str, size: Option<&str>) -> Value {
+        let mut csi = json!({"driver": driver});
+        if let Some(size) = size {
+            csi["volumeAttributes"] = json!({"size": size});
+        }
+        json!({"name": name, "csi": csi})
+    }
+
+    pub(crate) fn ephemeral_volume(name: &str, class: Option<&str>, size: Option<&str>) -> Value {
+        let mut spec = json!({"accessModes": ["ReadWriteOnce"]});
+        if let Some(class) = class {
+            spec["storageClassName"] = json!(class);
+        }
+        if let Some(size) = size {
+            spec["resources"] = json!({"requests": {"storage": size}});
+        }
+        json!({"name": name, "ephemeral": {"volumeClaimTemplate": {"spec": spec}}})
+    }
+
+    /// A claim in namespace `ns`.
+    pub(crate) fn claim(
+        name: &str,
+        class: Option<&str>,
+        volume_name: Option<&str>,
+        annotation: Option<&str>,
+        size: Option<&str>,
+    ) -> PersistentVolumeClaim {
+        let mut value = json!({"metadata": {"name": name, "namespace": "ns"}, "spec": {}});
+        if let Some(class) = class {
+            value["spec"]["storageClassName"] = json!(class);
+        }
+        if let Some(volume) = volume_name {
+            value["spec"]["volumeName"] = json!(volume);
+        }
+        if let Some(provisioner) = annotation {
+            value["metadata"]["annotations"] =
+                json!({"volume.kubernetes.io/storage-provisioner": provisioner});
+        }
+        if let Some(size) = size {
+            value["spec"]["resources"] = json!({"requests": {"storage": size}});
+        }
+        serde_json::from_value(value).expect("test claim decodes")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_objects::*;
+    use super::*;
+    use serde_json::json;
+
+    const GI: u64 = 1 << 30;
+
+    fn class(name: &str, provisioner: &str, mode: Option<&str>) -> StorageClass {
+        let mut value = json!({"metadata": {"name": name}, "provisioner": provisioner});
+        if let Some(mode) = mode {
+            value["volumeBindingMode"] = json!(mode);
+        }
+        serde_json::from_value(value).expect("test class decodes")
+    }
+
+    fn default_marked(name: &str, created: &str, beta: bool) -> StorageClass {
+        let key = if beta {
+            BETA_DEFAULT_CLASS
+        } else {
+            DEFAULT_CLASS
+        };
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "creationTimestamp": created, "annotations": {key: "true"}},
+            "provisioner": DRIVER,
+        }))
+        .expect("test class decodes")
+    }
+
+    fn late() -> Option<ClassFacts> {
+        Some(ClassFacts::from(&class(
+            "pmem",
+            DRIVER,
+            Some("WaitForFirstConsumer"),
+        )))
+    }
+
+    /// Facts with the given claims (in `ns`) and classes.
+    fn facts(
+        claims: Vec<(&str, Option<PersistentVolumeClaim>)>,
+        classes: Vec<(&str, Option<ClassFacts>)>,
+        default_class: Option<Option<ClassFacts>>,
+    ) -> VolumeFacts {
+        VolumeFacts {
+            claims: claims
+                .into_iter()
+                .map(|(n, c)| (ClaimKey::new("ns", n), c.as_ref().map(ClaimFacts::from)))
+                .collect(),
+            classes: classes
+                .into_iter()
+                .map(|(n, c)| (n.to_string(), c))
+                .collect(),
+            default_class,
+        }
+    }
+
+    fn claim_pending(name: &str, volume: &str, size: Option<u64>) -> PendingVolume {
+        PendingVolume {
+            volume: volume.into(),
+            source: VolumeSource::Claim(ClaimKey::new("ns", name)),
+            size,
+        }
+    }
+
+    fn ephemeral_pending(volume: &str, size: Option<u64>) -> PendingVolume {
+        PendingVolume {
+            volume: volume.into(),
+            source: VolumeSource::Ephemeral(ClaimKey::new("ns", format!("app-{volume}"))),
+            size,
+        }
+    }
+
+    fn inline_pending(volume: &str, size: Option<u64>) -> PendingVolume {
+        PendingVolume {
+            volume: volume.into(),
+            source: VolumeSource::Inline,
+            size,
+        }
+    }
+
+    #[test]
+    fn pending_volumes_table() {
+        let immediate = Some(ClassFacts::from(&class("imm", DRIVER, Some(IMMEDIATE))));
+        let absent_mode = Some(ClassFacts::from(&class("imm", DRIVER, None)));
+        let other = Some(ClassFacts::from(&class(
+            "other",
+            "other.csi",
+            Some("WaitForFirstConsumer"),
+        )));
+        let cases: Vec<(&str, Pod, VolumeFacts, Vec<PendingVolume>)> = vec![
+            ("no volumes", pod(vec![]), VolumeFacts::default(), vec![]),
+            (
+                "unbound claim, late class of ours",
+                pod(vec![pvc_volume("data", "c1")]),
+                facts(
+                    vec![(
+                        "c1",
+                        Some(claim("c1", Some("pmem"), None, None, Some("2Gi"))),
+                    )],
+                    vec![("pmem", late())],
+                    None,
+                ),
+                vec![claim_pending("c1", "data", Some(2 * GI))],
+            ),
+            (
+                "empty volumeName counts as unbound",
+                pod(vec![pvc_volume("data", "c1")]),
+                facts(
+                    vec![("c1", Some(claim("c1", Some("pmem"), Some(""), None, None)))],
+                    vec![("pmem", late())],
+                    None,
+                ),
+                vec![claim_pending("c1", "data", None)],
+            ),
+            (
+                "bound claim",
+                pod(vec![pvc_volume("data", "c1")]),
+                facts(
+                    vec![(
+                        "c1",
+                        Some(claim("c1", Some("pmem"), Some("pv-1"), None, None)),
+                    )],
+                    vec![("pmem", late())],
+                    None,
+                ),
+                vec![],
+            ),
+            (
+                "Immediate class",
+                pod(vec![pvc_volume("data", "c1")]),
+                facts(
+                    vec![("c1", Some(claim("c1", Some("imm"), None, None, None)))],
+                    vec![("imm", immediate.clone())],
+                    None,
+                ),
+                vec![],
+            ),
+            (
+                "absent binding mode means Immediate",
+                pod(vec![pvc_volume("data", "c1")]),
+                facts(
+                    vec![("c1", Some(claim("c1", Some("imm"), None, None, None)))],
+                    vec![("imm", absent_mode)],
+                    None,
+                ),
+                vec![],
+            ),
+            (
+                "class of another driver, annotation ignored when class exists",
+                pod(vec![pvc_volume("data", "c1")]),
+                facts(
+                    vec![(
+                        "c1",
+                        Some(claim("c1", Some("other"), None, Some(DRIVER), None)),
+                    )],
+                    vec![("other", other.clone())],
+                    None,
+                ),
+                vec![],
+            ),
+            (
+                "class missing, annotation names us",
+                pod(vec![pvc_volume("data", "c1")]),
+                facts(
+                    vec![(
+                        "c1",
+                        Some(claim("c1", Some("gone"), None, Some(DRIVER), Some("1Gi"))),
+                    )],
+                    vec![("gone", None)],
+                    None,
+                ),
+                vec![claim_pending("c1", "data", Some(GI))],
+            ),
+            (
+                "class missing, annotation names another driver",
+                pod(vec![pvc_volume("data", "c1")]),
+                facts(
+                    vec![(
+                        "c1",
+                        Some(claim("c1", Some("gone"), None, Some("x.csi"), None)),
+                    )],
+                    vec![],
+                    None,
+                ),
+                vec![],
+            ),
+            (
+                "class missing, no annotation",
+                pod(vec![pvc_volume("data", "c1")]),
+                facts(
+                    vec![("c1", Some(claim("c1", Some("gone"), None, None, None)))],
+                    vec![("gone", None)],
+                    None,
+                ),
+                vec![],
+            ),
+            (
+                "empty class name, no annotation",
+                pod(vec![pvc_volume("data", "c1")]),
+                facts(
+                    vec![("c1", Some(claim("c1", Some(""), None, None, None)))],
+                    vec![("pmem", late())],
+                    Some(late()),
+                ),
+                vec![],
+            ),
+            (
+                "empty class name, annotation names us",
+                pod(vec![pvc_volume("data", "c1")]),
+                facts(
+                    vec![("c1", Some(claim("c1", Some(""), None, Some(DRIVER), None)))],
+                    vec![],
+                    None,
+                ),
+                vec![claim_pending("c1", "data", None)],
+            ),
+            (
+                "claim missing",
+                pod(vec![pvc_volume("data", "c1")]),
+                facts(vec![("c1", None)], vec![("pmem", late())], None),
+                vec![],
+            ),
+            (
+                "claim never looked up",
+                pod(vec![pvc_volume("data", "c1")]),
+                VolumeFacts::default(),
+                vec![],
+            ),
+            (
+                "claim in another namespace does not count",
+                pod(vec![pvc_volume("data", "c1")]),
+                VolumeFacts {
+                    claims: [(
+                        ClaimKey::new("other", "c1"),
+                        Some(ClaimFacts::from(&claim(
+                            "c1",
+                            Some("pmem"),
+                            None,
+                            None,
+                            None,
+                        ))),
+                    )]
+                    .into(),
+                    classes: [("pmem".to_string(), late())].into(),
+                    default_class: None,
+                },
+                vec![],
+            ),
+            (
+                "same claim twice counts once",
+                pod(vec![pvc_volume("a", "c1"), pvc_volume("b", "c1")]),
+                facts(
+                    vec![(
+                        "c1",
+                        Some(claim("c1", Some("pmem"), None, None, Some("1Gi"))),
+                    )],
+                    vec![("pmem", late())],
+                    None,
+                ),
+                vec![claim_pending("c1", "a", Some(GI))],
+            ),
+            (
+                "zero and unparseable sizes are unknown",
+                pod(vec![pvc_volume("a", "c1"), pvc_volume("b", "c2")]),
+                facts(
+                    vec![
+                        ("c1", Some(claim("c1", Some("pmem"), None, None, Some("0")))),
+                        (
+                            "c2",
+                            Some(claim("c2", Some("pmem"), None, None, Some("lots"))),
+                        ),
+                    ],
+                    vec![("pmem", late())],
+                    None,
+                ),
+                vec![
+                    claim_pending("c1", "a", None),
+                    claim_pending("c2", "b", None),
+                ],
+            ),
+            (
+                "inline of ours with size",
+                pod(vec![inline_volume("scratch", DRIVER, Some("500Mi"))]),
+                VolumeFacts::default(),
+                vec![inline_pending("scratch", Some(500 << 20))],
+            ),
+            (
+                "inline of ours without size",
+                pod(vec![inline_volume("scratch", DRIVER, None)]),
+                VolumeFacts::default(),
+                vec![inline_pending("scratch", None)],
+            ),
+            (
+                "inline of another driver",
+                pod(vec![inline_volume("scratch", "other.csi", Some("1Gi"))]),
+                VolumeFacts::default(),
+                vec![],
+            ),
+            (
+                "ephemeral, named late class of ours",
+                pod(vec![ephemeral_volume("tmp", Some("pmem"), Some("4Gi"))]),
+                facts(vec![("app-tmp", None)], vec![("pmem", late())], None),
+                vec![ephemeral_pending("tmp", Some(4 * GI))],
+            ),
+            (
+                "ephemeral, default class of ours",
+                pod(vec![ephemeral_volume("tmp", None, Some("1Gi"))]),
+                facts(vec![], vec![], Some(late())),
+                vec![ephemeral_pending("tmp", Some(GI))],
+            ),
+            (
+                "ephemeral, no default class",
+                pod(vec![ephemeral_volume("tmp", None, Some("1Gi"))]),
+                facts(vec![], vec![], Some(None)),
+                vec![],
+            ),
+            (
+                "ephemeral, default class Immediate",
+                pod(vec![ephemeral_volume("tmp", None, None)]),
+                facts(vec![], vec![], Some(immediate.clone())),
+                vec![],
+            ),
+            (
+                "ephemeral, empty class name",
+                pod(vec![ephemeral_volume("tmp", Some(""), None)]),
+                facts(vec![], vec![], Some(late())),
+                vec![],
+            ),
+            (
+                "ephemeral, class of another driver",
+                pod(vec![ephemeral_volume("tmp", Some("other"), None)]),
+                facts(vec![], vec![("other", other)], None),
+                vec![],
+            ),
+            (
+                "ephemeral, claim exists and is bound",
+                pod(vec![ephemeral_volume("tmp", Some("pmem"), Some("1Gi"))]),
+                facts(
+                    vec![(
+                        "app-tmp",
+                        Some(claim("app-tmp", Some("pmem"), Some("pv"), None, None)),
+                    )],
+                    vec![("pmem", late())],
+                    None,
+                ),
+                vec![],
+            ),
+            (
+                "ephemeral, claim exists unbound: the claim's size wins",
+                pod(vec![ephemeral_volume("tmp", Some("pmem"), Some("1Gi"))]),
+                facts(
+                    vec![(
+                        "app-tmp",
+                        Some(claim("app-tmp", Some("pmem"), None, None, Some("3Gi"))),
+                    )],
+                    vec![("pmem", late())],
+                    None,
+                ),
+                vec![ephemeral_pending("tmp", Some(3 * GI))],
+            ),
+            (
+                "mixed: order follows the pod",
+                pod(vec![
+                    inline_volume("i", DRIVER, Some("1Gi")),
+                    pvc_volume("p", "c1"),
+                    json!({"name": "e", "emptyDir": {}}),
+                    ephemeral_volume("tmp", Some("pmem"), None),
+                ]),
+                facts(
+                    vec![(
+                        "c1",
+                        Some(claim("c1", Some("pmem"), None, None, Some("2Gi"))),
+                    )],
+                    vec![("pmem", late())],
+                    None,
+                ),
+                vec![
+                    inline_pending("i", Some(GI)),
+                    claim_pending("c1", "p", Some(2 * GI)),
+                    ephemeral_pending("tmp", None),
+                ],
+            ),
+        ];
+        for (name, pod, facts, want) in cases {
+            assert_eq!(pending_volumes(&pod, "ns", DRIVER, &facts), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn ephemeral_without_pod_name_uses_the_template() {
+        let mut pod = pod(vec![ephemeral_volume("tmp", Some("pmem"), None)]);
+        pod.metadata.name = None;
+        assert_eq!(claims_to_look_up(&pod, "ns"), vec![]);
+        let facts = facts(vec![], vec![("pmem", late())], None);
+        assert_eq!(pending_volumes(&pod, "ns", DRIVER, &facts).len(), 1);
+    }
+
+    #[test]
+    fn lookup_steps_table() {
+        let pod = pod(vec![
+            pvc_volume("a", "c1"),
+            pvc_volume("b", "bound"),
+            pvc_volume("c", "c1"),
+            pvc_volume("d", "gone"),
+            ephemeral_volume("named", Some("tmpl"), None),
+            ephemeral_volume("dflt", None, None),
+            ephemeral_volume("none", Some(""), None),
+            ephemeral_volume("exists", Some("ignored"), None),
+            inline_volume("i", DRIVER, None),
+        ]);
+        assert_eq!(
+            claims_to_look_up(&pod, "ns"),
+            [
+                "c1",
+                "bound",
+                "gone",
+                "app-named",
+                "app-dflt",
+                "app-none",
+                "app-exists"
+            ]
+            .map(|n| ClaimKey::new("ns", n))
+            .to_vec()
+        );
+        let step1 = facts(
+            vec![
+                ("c1", Some(claim("c1", Some("pmem"), None, None, None))),
+                (
+                    "bound",
+                    Some(claim("bound", Some("b"), Some("pv"), None, None)),
+                ),
+                ("gone", None),
+                (
+                    "app-exists",
+                    Some(claim("app-exists", Some("real"), None, None, None)),
+                ),
+            ],
+            vec![],
+            None,
+        );
+        for (name, facts, want) in [
+            (
+                "after step 1",
+                step1.clone(),
+                ClassLookups {
+                    names: vec!["pmem".into(), "real".into(), "tmpl".into()],
+                    default_class: true,
+                },
+            ),
+            (
+                "classes and default already known",
+                VolumeFacts {
+                    classes: [("pmem".into(), late()), ("real".into(), None)].into(),
+                    default_class: Some(None),
+                    ..step1.clone()
+                },
+                ClassLookups {
+                    names: vec!["tmpl".into()],
+                    default_class: false,
+                },
+            ),
+        ] {
+            assert_eq!(classes_to_look_up(&pod, "ns", &facts), want, "{name}");
+        }
+        assert!(
+            classes_to_look_up(
+                &self::pod(vec![inline_volume("i", DRIVER, None)]),
+                "ns",
+                &step1
+            )
+            .is_empty()
+        );
+    }
+
+    #[test]
+    fn default_class_table() {
+        let plain = class("plain", DRIVER, None);
+        for (name, classes, want) in [
+            ("none", vec![plain.clone()], None),
+            (
+                "one",
+                vec![
+                    plain.clone(),
+                    default_marked("a", "2024-01-01T00:00:00Z", false),
+                ],
+                Some("a"),
+            ),
+            (
+                "newest wins",
+                vec![
+                    default_marked("old", "2024-01-01T00:00:00Z", false),
+                    default_marked("new", "2024-06-01T00:00:00Z", true),
+                ],
+                Some("new"),
+            ),
+            (
+                "same time: smaller name wins",
+                vec![
+                    default_marked("b", "2024-01-01T00:00:00Z", false),
+                    default_marked("a", "2024-01-01T00:00:00Z", false),
+                    default_marked("c", "2024-01-01T00:00:00Z", false),
+                ],
+                Some("a"),
+            ),
+        ] {
+            let got = default_class(&classes).and_then(|c| c.metadata.name.as_deref());
+            assert_eq!(got, want, "{name}");
+        }
+    }
+
+    #[test]
+    fn demand_keys() {
+        assert_eq!(
+            claim_pending("c1", "data", None).key("u"),
+            DemandKey::Claim(ClaimKey::new("ns", "c1"))
+        );
+        assert_eq!(
+            ephemeral_pending("tmp", None).key("u"),
+            DemandKey::Claim(ClaimKey::new("ns", "app-tmp"))
+        );
+        assert_eq!(
+            inline_pending("i", None).key("u"),
+            DemandKey::Inline {
+                pod_uid: "u".into(),
+                volume: "i".into()
+            }
+        );
+    }
+
+    #[test]
+    fn claim_and_class_facts() {
+        assert_eq!(
+            ClaimFacts::from(&claim(
+                "c",
+                Some("pmem"),
+                Some("pv"),
+                Some(DRIVER),
+                Some("1Gi")
+            )),
+            ClaimFacts {
+                bound: true,
+                storage_class: Some("pmem".into()),
+                provisioner_annotation: Some(DRIVER.into()),
+                size: Some(GI),
+            }
+        );
+        let beta: PersistentVolumeClaim = serde_json::from_value(json!({
+            "metadata": {"name": "c", "annotations": {BETA_STORAGE_PROVISIONER: "x"}},
+        }))
+        .expect("decodes");
+        assert_eq!(
+            ClaimFacts::from(&beta),
+            ClaimFacts {
+                provisioner_annotation: Some("x".into()),
+                ..ClaimFacts::default()
+            }
+        );
+        for (mode, late) in [
+            (None, false),
+            (Some(IMMEDIATE), false),
+            (Some("WaitForFirstConsumer"), true),
+        ] {
+            assert_eq!(
+                ClassFacts::from(&class("c", DRIVER, mode)).late_binding,
+                late,
+                "{mode:?}"
+            );
+        }
+    }
+}
