@@ -1,1 +1,697 @@
-//! Placeholder; filled in by the webhook and extender issue.
+//! The reservation book: capacity the extender promised to pods it let through `/filter`, until
+//! the node's own allocation shows up in the index.
+//!
+//! A reservation belongs to one pod (by uid) and holds one entry per pending volume, reserved on
+//! every node the filter returned. Entries end one by one, each at the moment the index starts
+//! counting the same bytes as `allocated`:
+//! - a claim entry when its PVC shows `volume.kubernetes.io/selected-node`
+//!   ([`ReservationBook::claim_selected`]);
+//! - an inline entry when its pod is bound ([`ReservationBook::pod_bound`]).
+//!
+//! **Hand-over rule for callers:** the book and the index must be updated under the same lock,
+//! in the same critical section: remove the entry here and add its size to `allocated` there.
+//! Otherwise a concurrent `/filter` sees the bytes twice (too pessimistic) or not at all (an
+//! overcommit, the race the book exists to prevent).
+//!
+//! A reservation ends when all its entries have, when its pod is deleted or filtered again
+//! (replaced), or at its expiry. An expiry means an entry never saw its hand-over, so callers
+//! count it as a bug signal.
+//!
+//! Time is an [`Instant`] passed in; the book never reads a clock.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+/// How long a reservation lives when nothing ends it (`--reservation-ttl` default).
+pub const DEFAULT_TTL: Duration = Duration::from_secs(10 * 60);
+
+/// What one reserved volume is.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum EntryKey {
+    /// A PVC (also the PVC of a generic ephemeral volume), ended by its selected-node.
+    Claim {
+        /// The PVC's namespace.
+        namespace: String,
+        /// The PVC's name.
+        name: String,
+    },
+    /// A CSI inline volume, ended when its pod is bound.
+    Inline {
+        /// The owning pod's uid.
+        pod_uid: String,
+        /// The volume's name in the pod spec.
+        volume: String,
+    },
+}
+
+/// One reserved volume.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Entry {
+    /// Which volume.
+    pub key: EntryKey,
+    /// Its aligned size in bytes.
+    pub size: u64,
+}
+
+/// A reservation as reported when it ends other than by its entries (for logs and counters).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReservationSummary {
+    /// The owning pod's uid.
+    pub pod_uid: String,
+    /// The nodes it was held on.
+    pub nodes: Vec<String>,
+    /// The entries still open.
+    pub entries: Vec<Entry>,
+    /// When it was made.
+    pub created: Instant,
+}
+
+#[derive(Clone, Debug)]
+struct Reservation {
+    nodes: BTreeSet<String>,
+    entries: BTreeMap<EntryKey, u64>,
+    created: Instant,
+    /// `None`: the TTL does not fit into an `Instant`, so it never expires.
+    expires: Option<Instant>,
+}
+
+impl Reservation {
+    fn bytes(&self) -> u64 {
+        self.entries
+            .values()
+            .fold(0, |sum: u64, s| sum.saturating_add(*s))
+    }
+
+    fn summary(&self, pod_uid: &str) -> ReservationSummary {
+        ReservationSummary {
+            pod_uid: pod_uid.to_owned(),
+            nodes: self.nodes.iter().cloned().collect(),
+            entries: self
+                .entries
+                .iter()
+                .map(|(key, size)| Entry {
+                    key: key.clone(),
+                    size: *size,
+                })
+                .collect(),
+            created: self.created,
+        }
+    }
+}
+
+/// All open reservations of one extender instance.
+#[derive(Clone, Debug)]
+pub struct ReservationBook {
+    ttl: Duration,
+    by_pod: BTreeMap<String, Reservation>,
+    /// Which pod's reservation holds each claim: a claim is held at most once, even when several
+    /// pending pods use it, so that it is never counted twice.
+    claims: BTreeMap<(String, String), String>,
+}
+
+impl Default for ReservationBook {
+    fn default() -> Self {
+        Self::new(DEFAULT_TTL)
+    }
+}
+
+impl ReservationBook {
+    /// An empty book whose reservations expire `ttl` after they are made.
+    pub fn new(ttl: Duration) -> Self {
+        ReservationBook {
+            ttl,
+            by_pod: BTreeMap::new(),
+            claims: BTreeMap::new(),
+        }
+    }
+
+    /// Reserves `entries` for the pod on each of `nodes`, replacing the pod's previous
+    /// reservation (a pod filtered again). Returns the replaced reservation, if any.
+    ///
+    /// Nothing is stored when there are no entries or no nodes (a pod without pending demand, or
+    /// fitting nowhere, holds nothing). A claim already held by another pod's reservation moves
+    /// to this one; duplicate keys keep the last size.
+    pub fn reserve(
+        &mut self,
+        pod_uid: &str,
+        nodes: impl IntoIterator<Item = String>,
+        entries: impl IntoIterator<Item = Entry>,
+        now: Instant,
+    ) -> Option<ReservationSummary> {
+        let replaced = self.remove(pod_uid);
+        let nodes: BTreeSet<String> = nodes.into_iter().collect();
+        let entries: BTreeMap<EntryKey, u64> =
+            entries.into_iter().map(|e| (e.key, e.size)).collect();
+        if nodes.is_empty() || entries.is_empty() {
+            return replaced;
+        }
+        for key in entries.keys() {
+            if let EntryKey::Claim { namespace, name } = key {
+                let claim = (namespace.clone(), name.clone());
+                if let Some(holder) = self.claims.insert(claim, pod_uid.to_owned()) {
+                    self.drop_entry(&holder, key);
+                }
+            }
+        }
+        self.by_pod.insert(
+            pod_uid.to_owned(),
+            Reservation {
+                nodes,
+                entries,
+                created: now,
+                expires: now.checked_add(self.ttl),
+            },
+        );
+        replaced
+    }
+
+    /// The claim `namespace/name` shows selected-node `node`: its entry leaves the book and
+    /// `(node, size)` is returned, which the caller adds to `allocated` of that node **in the same
+    /// locked update**. The node need not be one the reservation was held on; the claim will be
+    /// provisioned there regardless. `None` when no reservation holds the claim.
+    pub fn claim_selected(
+        &mut self,
+        namespace: &str,
+        name: &str,
+        node: &str,
+    ) -> Option<(String, u64)> {
+        let holder = self
+            .claims
+            .remove(&(namespace.to_owned(), name.to_owned()))?;
+        let key = EntryKey::Claim {
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+        };
+        let size = self.drop_entry(&holder, &key)?;
+        Some((node.to_owned(), size))
+    }
+
+    /// The pod was bound to `node`: its inline entries end (returned, for the caller to add to
+    /// `allocated` of `node` in the same locked update) and its remaining claim entries are held
+    /// on `node` only, because that is where they will be provisioned.
+    pub fn pod_bound(&mut self, pod_uid: &str, node: &str) -> Vec<Entry> {
+        let Some(reservation) = self.by_pod.get_mut(pod_uid) else {
+            return Vec::new();
+        };
+        let inline: Vec<EntryKey> = reservation
+            .entries
+            .keys()
+            .filter(|k| matches!(k, EntryKey::Inline { .. }))
+            .cloned()
+            .collect();
+        let ended = inline
+            .into_iter()
+            .filter_map(|key| {
+                let size = reservation.entries.remove(&key)?;
+                Some(Entry { key, size })
+            })
+            .collect();
+        reservation.nodes = BTreeSet::from([node.to_owned()]);
+        if reservation.entries.is_empty() {
+            self.by_pod.remove(pod_uid);
+        }
+        ended
+    }
+
+    /// The pod was deleted: its reservation ends. Returns it, if there was one.
+    pub fn pod_deleted(&mut self, pod_uid: &str) -> Option<ReservationSummary> {
+        self.remove(pod_uid)
+    }
+
+    /// Ends every reservation whose expiry is at or before `now` and returns them.
+    pub fn expire(&mut self, now: Instant) -> Vec<ReservationSummary> {
+        let expired: Vec<String> = self
+            .by_pod
+            .iter()
+            .filter(|(_, r)| r.expires.is_some_and(|e| e <= now))
+            .map(|(uid, _)| uid.clone())
+            .collect();
+        expired.iter().filter_map(|uid| self.remove(uid)).collect()
+    }
+
+    /// Bytes reserved on `node` by every pod except `excluding_pod` (a pod filtered again must not
+    /// see its own reservation), as the total and the sizes of the entries.
+    pub fn reserved_on(&self, node: &str, excluding_pod: &str) -> (u64, Vec<u64>) {
+        let sizes: Vec<u64> = self
+            .by_pod
+            .iter()
+            .filter(|(uid, r)| uid.as_str() != excluding_pod && r.nodes.contains(node))
+            .flat_map(|(_, r)| r.entries.values().copied())
+            .collect();
+        let total = sizes.iter().fold(0, |sum: u64, s| sum.saturating_add(*s));
+        (total, sizes)
+    }
+
+    /// Bytes withheld from nodes' capacity, summed over nodes (a pod reserving 1 GiB on three
+    /// nodes counts 3 GiB): the value of the `pmem_csi_reserved_bytes` gauge.
+    pub fn total_reserved(&self) -> u64 {
+        self.by_pod.values().fold(0, |sum: u64, r| {
+            let nodes = u64::try_from(r.nodes.len()).unwrap_or(u64::MAX);
+            sum.saturating_add(r.bytes().saturating_mul(nodes))
+        })
+    }
+
+    /// How many reservations are open.
+    pub fn len(&self) -> usize {
+        self.by_pod.len()
+    }
+
+    /// Whether no reservation is open.
+    pub fn is_empty(&self) -> bool {
+        self.by_pod.is_empty()
+    }
+
+    /// The open reservation of a pod, if any.
+    pub fn get(&self, pod_uid: &str) -> Option<ReservationSummary> {
+        self.by_pod.get(pod_uid).map(|r| r.summary(pod_uid))
+    }
+
+    fn remove(&mut self, pod_uid: &str) -> Option<ReservationSummary> {
+        let reservation = self.by_pod.remove(pod_uid)?;
+        for key in reservation.entries.keys() {
+            if let EntryKey::Claim { namespace, name } = key {
+                let claim = (namespace.clone(), name.clone());
+                if self.claims.get(&claim).is_some_and(|h| h == pod_uid) {
+                    self.claims.remove(&claim);
+                }
+            }
+        }
+        Some(reservation.summary(pod_uid))
+    }
+
+    /// Removes one entry of a pod's reservation, ending the reservation with its last entry.
+    fn drop_entry(&mut self, pod_uid: &str, key: &EntryKey) -> Option<u64> {
+        let reservation = self.by_pod.get_mut(pod_uid)?;
+        let size = reservation.entries.remove(key);
+        if reservation.entries.is_empty() {
+            self.by_pod.remove(pod_uid);
+        }
+        size
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const GI: u64 = 1 << 30;
+
+    fn claim(name: &str, size: u64) -> Entry {
+        Entry {
+            key: EntryKey::Claim {
+                namespace: "ns".into(),
+                name: name.into(),
+            },
+            size,
+        }
+    }
+
+    fn inline(pod: &str, volume: &str, size: u64) -> Entry {
+        Entry {
+            key: EntryKey::Inline {
+                pod_uid: pod.into(),
+                volume: volume.into(),
+            },
+            size,
+        }
+    }
+
+    fn nodes(names: &[&str]) -> Vec<String> {
+        names.iter().map(|n| (*n).to_owned()).collect()
+    }
+
+    /// The book plus a toy index, updated together as the caller must.
+    struct World {
+        book: ReservationBook,
+        allocated: BTreeMap<String, u64>,
+    }
+
+    impl World {
+        fn new() -> Self {
+            World {
+                book: ReservationBook::default(),
+                allocated: BTreeMap::new(),
+            }
+        }
+
+        fn select(&mut self, name: &str, node: &str) {
+            if let Some((node, size)) = self.book.claim_selected("ns", name, node) {
+                *self.allocated.entry(node).or_default() += size;
+            }
+        }
+
+        fn bind(&mut self, pod: &str, node: &str) {
+            for entry in self.book.pod_bound(pod, node) {
+                *self.allocated.entry(node.to_owned()).or_default() += entry.size;
+            }
+        }
+
+        fn seen(&self, node: &str) -> u64 {
+            self.book.reserved_on(node, "").0 + self.allocated.get(node).copied().unwrap_or(0)
+        }
+    }
+
+    #[test]
+    fn reserve_table() {
+        let t0 = Instant::now();
+        let mut book = ReservationBook::default();
+        assert!(book.is_empty());
+
+        assert_eq!(
+            book.reserve(
+                "p1",
+                nodes(&["a", "b"]),
+                [claim("c1", GI), inline("p1", "v", 2 * GI)],
+                t0
+            ),
+            None
+        );
+        assert_eq!(book.len(), 1);
+        assert_eq!(book.reserved_on("a", ""), (3 * GI, vec![GI, 2 * GI]));
+        assert_eq!(book.reserved_on("b", "p2"), (3 * GI, vec![GI, 2 * GI]));
+        assert_eq!(book.reserved_on("c", ""), (0, vec![]));
+        assert_eq!(
+            book.reserved_on("a", "p1"),
+            (0, vec![]),
+            "own reservation is not seen"
+        );
+        assert_eq!(book.total_reserved(), 6 * GI);
+
+        // Filtered again: replaced, not added.
+        let replaced = book
+            .reserve("p1", nodes(&["b"]), [claim("c1", GI)], t0)
+            .unwrap_or_else(|| panic!("replaced"));
+        assert_eq!(replaced.nodes, nodes(&["a", "b"]));
+        assert_eq!(replaced.entries.len(), 2);
+        assert_eq!(book.reserved_on("a", ""), (0, vec![]));
+        assert_eq!(book.reserved_on("b", ""), (GI, vec![GI]));
+        assert_eq!(book.total_reserved(), GI);
+
+        // No nodes or no entries: nothing held, the old one is gone.
+        assert!(
+            book.reserve("p1", nodes(&[]), [claim("c1", GI)], t0)
+                .is_some()
+        );
+        assert!(book.is_empty());
+        assert_eq!(book.reserve("p1", nodes(&["a"]), [], t0), None);
+        assert!(book.is_empty());
+        assert_eq!(
+            book.claim_selected("ns", "c1", "a"),
+            None,
+            "claim index cleaned up"
+        );
+
+        // Duplicate keys: last size wins.
+        book.reserve(
+            "p1",
+            nodes(&["a"]),
+            [claim("c1", GI), claim("c1", 2 * GI)],
+            t0,
+        );
+        assert_eq!(book.reserved_on("a", ""), (2 * GI, vec![2 * GI]));
+    }
+
+    #[test]
+    fn shared_claim_is_held_once() {
+        let t0 = Instant::now();
+        let mut book = ReservationBook::default();
+        book.reserve(
+            "p1",
+            nodes(&["a"]),
+            [claim("shared", GI), claim("own", GI)],
+            t0,
+        );
+        book.reserve("p2", nodes(&["a"]), [claim("shared", GI)], t0);
+        assert_eq!(book.reserved_on("a", ""), (2 * GI, vec![GI, GI]));
+        assert_eq!(
+            book.get("p1").map(|r| r.entries),
+            Some(vec![claim("own", GI)])
+        );
+        // p1 filtered again takes it back; p2's reservation had only it and ends.
+        book.reserve(
+            "p1",
+            nodes(&["a"]),
+            [claim("shared", GI), claim("own", GI)],
+            t0,
+        );
+        assert_eq!(book.get("p2"), None);
+        assert_eq!(book.reserved_on("a", ""), (2 * GI, vec![GI, GI]));
+        // p2 deleted later must not release p1's hold.
+        assert_eq!(book.pod_deleted("p2"), None);
+        assert_eq!(
+            book.claim_selected("ns", "shared", "a"),
+            Some(("a".into(), GI))
+        );
+    }
+
+    #[test]
+    fn claim_selected_table() {
+        let t0 = Instant::now();
+        for (name, ns, claim_name, node, want, left) in [
+            (
+                "held claim",
+                "ns",
+                "c1",
+                "a",
+                Some(("a".to_owned(), GI)),
+                2 * GI,
+            ),
+            (
+                "other node still hands over",
+                "ns",
+                "c1",
+                "z",
+                Some(("z".to_owned(), GI)),
+                2 * GI,
+            ),
+            ("unknown claim", "ns", "nope", "a", None, 3 * GI),
+            ("other namespace", "other", "c1", "a", None, 3 * GI),
+            ("inline is not a claim", "ns", "v", "a", None, 3 * GI),
+        ] {
+            let mut book = ReservationBook::default();
+            book.reserve(
+                "p1",
+                nodes(&["a", "b"]),
+                [claim("c1", GI), inline("p1", "v", 2 * GI)],
+                t0,
+            );
+            assert_eq!(book.claim_selected(ns, claim_name, node), want, "{name}");
+            assert_eq!(book.reserved_on("a", "").0, left, "{name}");
+            assert_eq!(
+                book.claim_selected(ns, claim_name, node),
+                None,
+                "{name}: only once"
+            );
+        }
+    }
+
+    #[test]
+    fn reservation_ends_with_its_last_entry() {
+        let t0 = Instant::now();
+        let mut book = ReservationBook::default();
+        book.reserve("p1", nodes(&["a"]), [claim("c1", GI), claim("c2", GI)], t0);
+        book.claim_selected("ns", "c1", "a");
+        assert_eq!(book.len(), 1);
+        book.claim_selected("ns", "c2", "a");
+        assert!(book.is_empty());
+        assert_eq!(book.total_reserved(), 0);
+    }
+
+    #[test]
+    fn pod_bound_table() {
+        let t0 = Instant::now();
+        let mut book = ReservationBook::default();
+        book.reserve(
+            "p1",
+            nodes(&["a", "b"]),
+            [claim("c1", GI), inline("p1", "v", 2 * GI)],
+            t0,
+        );
+        assert_eq!(book.pod_bound("p1", "b"), vec![inline("p1", "v", 2 * GI)]);
+        assert_eq!(
+            book.reserved_on("a", ""),
+            (0, vec![]),
+            "released on nodes not chosen"
+        );
+        assert_eq!(
+            book.reserved_on("b", ""),
+            (GI, vec![GI]),
+            "claim stays until selected"
+        );
+        assert_eq!(book.pod_bound("p1", "b"), vec![], "idempotent");
+        assert_eq!(book.pod_bound("unknown", "b"), vec![]);
+
+        book.reserve("p2", nodes(&["a"]), [inline("p2", "v", GI)], t0);
+        assert_eq!(book.pod_bound("p2", "a").len(), 1);
+        assert_eq!(book.get("p2"), None, "only inline entries: ends");
+
+        // Bound to a node the reservation was not on: the claims follow the pod.
+        book.reserve("p3", nodes(&["a"]), [claim("c3", GI)], t0);
+        book.pod_bound("p3", "z");
+        assert_eq!(book.reserved_on("z", ""), (GI, vec![GI]));
+        assert_eq!(book.reserved_on("a", ""), (0, vec![]));
+    }
+
+    #[test]
+    fn pod_deleted_table() {
+        let t0 = Instant::now();
+        let mut book = ReservationBook::default();
+        book.reserve("p1", nodes(&["a"]), [claim("c1", GI)], t0);
+        let gone = book.pod_deleted("p1").unwrap_or_else(|| panic!("had one"));
+        assert_eq!(
+            (gone.pod_uid.as_str(), gone.entries.len(), gone.created),
+            ("p1", 1, t0)
+        );
+        assert!(book.is_empty());
+        assert_eq!(book.pod_deleted("p1"), None);
+        assert_eq!(book.claim_selected("ns", "c1", "a"), None);
+    }
+
+    #[test]
+    fn expire_table() {
+        let t0 = Instant::now();
+        let ttl = Duration::from_secs(600);
+        let mut book = ReservationBook::new(ttl);
+        book.reserve("old", nodes(&["a"]), [claim("c1", GI)], t0);
+        book.reserve(
+            "new",
+            nodes(&["a"]),
+            [claim("c2", GI)],
+            t0 + Duration::from_secs(60),
+        );
+        assert_eq!(book.expire(t0 + ttl - Duration::from_secs(1)), vec![]);
+        let expired = book.expire(t0 + ttl);
+        assert_eq!(
+            expired
+                .iter()
+                .map(|s| s.pod_uid.as_str())
+                .collect::<Vec<_>>(),
+            ["old"]
+        );
+        assert_eq!(
+            book.claim_selected("ns", "c1", "a"),
+            None,
+            "claim index cleaned up"
+        );
+        // Re-filtering restarts the clock.
+        book.reserve("new", nodes(&["a"]), [claim("c2", GI)], t0 + ttl);
+        assert_eq!(book.expire(t0 + ttl + Duration::from_secs(61)), vec![]);
+        assert_eq!(book.expire(t0 + 2 * ttl).len(), 1);
+        assert!(book.is_empty());
+
+        let mut forever = ReservationBook::new(Duration::MAX);
+        forever.reserve("p", nodes(&["a"]), [claim("c", GI)], t0);
+        assert_eq!(forever.expire(t0 + Duration::from_secs(1 << 40)), vec![]);
+    }
+
+    #[test]
+    fn totals_saturate() {
+        let t0 = Instant::now();
+        let mut book = ReservationBook::default();
+        book.reserve(
+            "p1",
+            nodes(&["a", "b"]),
+            [claim("c1", u64::MAX), claim("c2", u64::MAX)],
+            t0,
+        );
+        book.reserve("p2", nodes(&["a"]), [claim("c3", 1)], t0);
+        assert_eq!(book.reserved_on("a", "").0, u64::MAX);
+        assert_eq!(book.total_reserved(), u64::MAX);
+    }
+
+    #[test]
+    fn hand_over_never_double_counts_or_drops() {
+        let t0 = Instant::now();
+        let mut world = World::new();
+        world.book.reserve(
+            "p1",
+            nodes(&["a", "b"]),
+            [
+                claim("c1", GI),
+                claim("c2", 2 * GI),
+                inline("p1", "v", 4 * GI),
+            ],
+            t0,
+        );
+        assert_eq!((world.seen("a"), world.seen("b")), (7 * GI, 7 * GI));
+
+        world.select("c1", "a");
+        assert_eq!(
+            world.seen("a"),
+            7 * GI,
+            "c1 moved from reserved to allocated on a"
+        );
+        assert_eq!(world.seen("b"), 6 * GI, "b no longer holds c1");
+
+        world.bind("p1", "a");
+        assert_eq!(world.seen("a"), 7 * GI, "inline moved to allocated on a");
+        assert_eq!(world.seen("b"), 0, "b released");
+
+        world.select("c2", "a");
+        assert_eq!(world.seen("a"), 7 * GI);
+        assert!(world.book.is_empty());
+
+        // A selection seen twice (a resync) must not count twice.
+        world.select("c2", "a");
+        assert_eq!(world.seen("a"), 7 * GI);
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Select(usize, usize),
+        Bind(usize, usize),
+    }
+
+    proptest! {
+        /// Whatever order selections and bindings arrive in, each volume is counted exactly once
+        /// on the node it lands on.
+        #[test]
+        fn hand_over_invariant(ops in prop::collection::vec(
+            prop_oneof![
+                (0..3usize, 0..2usize).prop_map(|(c, n)| Op::Select(c, n)),
+                (0..2usize, 0..2usize).prop_map(|(p, n)| Op::Bind(p, n)),
+            ],
+            0..12,
+        )) {
+            let t0 = Instant::now();
+            let node_names = ["a", "b"];
+            let mut world = World::new();
+            // p0: c0, c1, inline; p1: c2, inline.
+            world.book.reserve("p0", nodes(&node_names), [claim("c0", 1), claim("c1", 2), inline("p0", "v", 4)], t0);
+            world.book.reserve("p1", nodes(&node_names), [claim("c2", 8), inline("p1", "v", 16)], t0);
+            // Where each volume ended up (None: still only reserved).
+            let mut landed: BTreeMap<&str, &str> = BTreeMap::new();
+            let mut bound: BTreeMap<usize, &str> = BTreeMap::new();
+            for op in ops {
+                match op {
+                    Op::Select(c, n) => {
+                        let name = ["c0", "c1", "c2"][c];
+                        landed.entry(name).or_insert(node_names[n]);
+                        world.select(name, node_names[n]);
+                    }
+                    Op::Bind(p, n) => {
+                        // A pod binds once; the scheduler never rebinds.
+                        let node = *bound.entry(p).or_insert(node_names[n]);
+                        landed.entry(["i0", "i1"][p]).or_insert(node);
+                        world.bind(["p0", "p1"][p], node);
+                    }
+                }
+            }
+            let size = |v: &str| match v { "c0" => 1, "c1" => 2, "i0" => 4, "c2" => 8, _ => 16 };
+            let owner = |v: &str| if ["c0", "c1", "i0"].contains(&v) { 0 } else { 1 };
+            for node in node_names {
+                let allocated: u64 = landed.iter().filter(|(_, n)| **n == node).map(|(v, _)| size(v)).sum();
+                prop_assert_eq!(world.allocated.get(node).copied().unwrap_or(0), allocated);
+                // Still reserved here: volumes not landed whose pod is unbound or bound here.
+                let reserved: u64 = ["c0", "c1", "i0", "c2", "i1"]
+                    .iter()
+                    .filter(|v| !landed.contains_key(*v))
+                    .filter(|v| bound.get(&owner(v)).is_none_or(|b| *b == node))
+                    .map(|v| size(v))
+                    .sum();
+                prop_assert_eq!(world.book.reserved_on(node, "").0, reserved);
+            }
+        }
+    }
+}
