@@ -1,1 +1,397 @@
-//! Placeholder; filled in by the webhook and extender issue.
+//! The HTTP server under the webhook (HTTPS) and the scheduler extender (plain HTTP on
+//! 127.0.0.1): an accept loop around hyper's HTTP/1 connection driver with handshake and
+//! header timeouts, and a graceful shutdown that lets in-flight requests finish.
+
+use std::convert::Infallible;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::ConnectInfo;
+use http::{Request, Response, StatusCode};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use rustls::ServerConfig;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinSet;
+use tokio_rustls::TlsAcceptor;
+use tokio_util::sync::CancellationToken;
+use tower::Service;
+
+use crate::tls::{CLIENT_HELLO_PREFIX_LEN, legacy_client_version, protocol_version_alert};
+
+/// Why the server could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum HttpsError {
+    /// The listening socket could not be bound.
+    #[error("binding {addr}: {source}")]
+    Bind {
+        /// The address asked for.
+        addr: SocketAddr,
+        /// The socket error.
+        source: io::Error,
+    },
+    /// The bound socket has no local address (should not happen for TCP).
+    #[error("reading the local address of the listener bound to {addr}: {source}")]
+    LocalAddr {
+        /// The address asked for.
+        addr: SocketAddr,
+        /// The socket error.
+        source: io::Error,
+    },
+}
+
+/// Timeouts of a server; [`Default`] holds the production values.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServeOptions {
+    /// Longest a client may take to complete the TLS handshake.
+    pub handshake_timeout: Duration,
+    /// Longest a client may take to send a request's headers, also bounding how long an idle
+    /// keep-alive connection stays open.
+    pub header_read_timeout: Duration,
+    /// After shutdown is requested, longest to wait for in-flight requests before dropping
+    /// their connections.
+    pub drain_timeout: Duration,
+    /// If set, a handler running longer is abandoned and the client gets 503.
+    pub request_timeout: Option<Duration>,
+    /// Pause after an accept error that is not about one connection (e.g. EMFILE), so a
+    /// full file table does not turn the loop into a busy spin.
+    pub accept_backoff: Duration,
+}
+
+impl Default for ServeOptions {
+    fn default() -> Self {
+        Self {
+            handshake_timeout: Duration::from_secs(10),
+            header_read_timeout: Duration::from_secs(10),
+            drain_timeout: Duration::from_secs(10),
+            request_timeout: None,
+            accept_backoff: Duration::from_millis(100),
+        }
+    }
+}
+
+/// A bound listener that serves an axum [`Router`] over HTTPS or plain HTTP/1.1.
+#[derive(Debug)]
+pub struct HttpsServer {
+    listener: TcpListener,
+    local_addr: SocketAddr,
+    options: ServeOptions,
+}
+
+impl HttpsServer {
+    /// Binds `addr` (port 0 picks a free port; see [`HttpsServer::local_addr`]).
+    pub async fn bind(addr: SocketAddr) -> Result<Self, HttpsError> {
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|source| HttpsError::Bind { addr, source })?;
+        let local_addr = listener
+            .local_addr()
+            .map_err(|source| HttpsError::LocalAddr { addr, source })?;
+        Ok(Self {
+            listener,
+            local_addr,
+            options: ServeOptions::default(),
+        })
+    }
+
+    /// Replaces the timeouts.
+    pub fn with_options(mut self, options: ServeOptions) -> Self {
+        self.options = options;
+        self
+    }
+
+    /// The address actually bound.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Serves `router` over TLS until `shutdown`, then drains. The certificate is resolved per
+    /// handshake from `tls`, so a reloaded certificate applies to new connections only.
+    pub async fn serve(self, router: Router, tls: Arc<ServerConfig>, shutdown: CancellationToken) {
+        self.accept_loop(router, Some(TlsAcceptor::from(tls)), shutdown)
+            .await;
+    }
+
+    /// Serves `router` over plain HTTP until `shutdown`, then drains (the scheduler extender,
+    /// which kube-scheduler reaches on 127.0.0.1).
+    pub async fn serve_plain(self, router: Router, shutdown: CancellationToken) {
+        self.accept_loop(router, None, shutdown).await;
+    }
+
+    async fn accept_loop(
+        self,
+        router: Router,
+        tls: Option<TlsAcceptor>,
+        shutdown: CancellationToken,
+    ) {
+        let Self {
+            listener,
+            local_addr,
+            options,
+        } = self;
+        let options = Arc::new(options);
+        let mut connections = JoinSet::new();
+        loop {
+            tokio::select! {
+                biased;
+                () = shutdown.cancelled() => break,
+                Some(joined) = connections.join_next(), if !connections.is_empty() => {
+                    if let Err(e) = joined {
+                        tracing::error!(error = %e, "connection task failed");
+                    }
+                }
+                accepted = listener.accept() => match accepted {
+                    Ok((stream, peer)) => {
+                        connections.spawn(handle_connection(
+                            stream,
+                            peer,
+                            tls.clone(),
+                            router.clone(),
+                            Arc::clone(&options),
+                            shutdown.clone(),
+                        ));
+                    }
+                    // The peer gave up between SYN and accept; nothing wrong with us.
+                    Err(e) if is_per_connection(&e) => {
+                        tracing::debug!(error = %e, "accept failed for one connection");
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, %local_addr, "accept failed; backing off");
+                        tokio::select! {
+                            () = shutdown.cancelled() => break,
+                            () = tokio::time::sleep(options.accept_backoff) => {}
+                        }
+                    }
+                },
+            }
+        }
+        // Close the socket first so new connections are refused rather than queued behind
+        // a server that no longer accepts.
+        drop(listener);
+        let in_flight = connections.len();
+        let drained = tokio::time::timeout(options.drain_timeout, async {
+            while connections.join_next().await.is_some() {}
+        })
+        .await;
+        match drained {
+            Ok(()) => tracing::debug!(%local_addr, in_flight, "server drained"),
+            Err(_) => {
+                tracing::warn!(
+                    %local_addr,
+                    remaining = connections.len(),
+                    "connections still open after the drain timeout; dropping them"
+                );
+                connections.shutdown().await;
+            }
+        }
+    }
+}
+
+/// Accept errors that concern one connection only (see `man 2 accept`: the listener stays fine).
+fn is_per_connection(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionRefused
+            | io::ErrorKind::Interrupted
+    )
+}
+
+async fn handle_connection(
+    stream: TcpStream,
+    peer: SocketAddr,
+    tls: Option<TlsAcceptor>,
+    router: Router,
+    options: Arc<ServeOptions>,
+    shutdown: CancellationToken,
+) {
+    // Responses are small and latency matters to the scheduler, which waits on each.
+    if let Err(e) = stream.set_nodelay(true) {
+        tracing::debug!(%peer, error = %e, "cannot set TCP_NODELAY");
+    }
+    let Some(acceptor) = tls else {
+        serve_connection(stream, peer, router, &options, &shutdown).await;
+        return;
+    };
+    let handshake = async {
+        let stream = reject_legacy_versions(stream).await?;
+        acceptor.accept(stream).await
+    };
+    let handshake = tokio::select! {
+        () = shutdown.cancelled() => return,
+        handshake = tokio::time::timeout(options.handshake_timeout, handshake) => handshake,
+    };
+    match handshake {
+        Ok(Ok(stream)) => serve_connection(stream, peer, router, &options, &shutdown).await,
+        // Scanners, health checks that only open TCP, and clients that reject our certificate
+        // all end here; none of them is our problem, so keep them out of the default log level.
+        Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
+        Err(_) => {
+            tracing::debug!(%peer, timeout = ?options.handshake_timeout, "TLS handshake timed out")
+        }
+    }
+}
+
+/// Reads the start of the ClientHello and answers clients limited to TLS 1.1 or older with a
+/// `protocol_version` alert, which rustls would answer with `handshake_failure` (see
+/// [`legacy_client_version`]); otherwise hands back the stream with the bytes put back.
+async fn reject_legacy_versions(mut stream: TcpStream) -> io::Result<Replay<TcpStream>> {
+    // Every TLS client sends far more than this in its first flight, so this cannot wait for
+    // bytes that never come; anything else is bounded by the handshake timeout around it.
+    let mut prefix = vec![0; CLIENT_HELLO_PREFIX_LEN];
+    stream.read_exact(&mut prefix).await?;
+    if let Some(version) = legacy_client_version(&prefix) {
+        stream.write_all(&protocol_version_alert(version)).await?;
+        stream.shutdown().await?;
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("client offers at most TLS version {version:#06x}; TLS 1.2 is required"),
+        ));
+    }
+    Ok(Replay {
+        prefix,
+        pos: 0,
+        inner: stream,
+    })
+}
+
+/// A stream that first yields bytes already read from it.
+#[derive(Debug)]
+struct Replay<S> {
+    prefix: Vec<u8>,
+    pos: usize,
+    inner: S,
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Replay<S> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if let Some(rest) = this.prefix.get(this.pos..).filter(|r| !r.is_empty()) {
+            let n = rest.len().min(buf.remaining());
+            buf.put_slice(&rest[..n]);
+            this.pos += n;
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut this.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Replay<S> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+async fn serve_connection<I>(
+    io: I,
+    peer: SocketAddr,
+    router: Router,
+    options: &ServeOptions,
+    shutdown: &CancellationToken,
+) where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let request_timeout = options.request_timeout;
+    let service = hyper::service::service_fn(move |mut request: Request<Incoming>| {
+        let mut router = router.clone();
+        request.extensions_mut().insert(ConnectInfo(peer));
+        async move {
+            // Router is always ready, so calling without poll_ready is fine (axum does the same).
+            let response = router.call(request);
+            let response = match request_timeout {
+                None => response.await,
+                Some(limit) => match tokio::time::timeout(limit, response).await {
+                    Ok(response) => response,
+                    Err(_) => {
+                        tracing::warn!(%peer, ?limit, "request timed out");
+                        Ok(timed_out())
+                    }
+                },
+            };
+            Ok::<_, Infallible>(response.unwrap_or_else(|never| match never {}))
+        }
+    });
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(options.header_read_timeout)
+        .keep_alive(true);
+    let connection = builder.serve_connection(TokioIo::new(io), service);
+    tokio::pin!(connection);
+    let result = tokio::select! {
+        result = connection.as_mut() => result,
+        () = shutdown.cancelled() => {
+            // Finishes the request in flight (if any), then closes instead of keeping alive.
+            connection.as_mut().graceful_shutdown();
+            connection.await
+        }
+    };
+    if let Err(e) = result {
+        tracing::debug!(%peer, error = %e, "connection ended with an error");
+    }
+}
+
+fn timed_out() -> Response<Body> {
+    let mut response = Response::new(Body::from("request timed out\n"));
+    *response.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn replay_yields_prefix_then_inner() {
+        let (mut client, server) = tokio::io::duplex(64);
+        client.write_all(b"world").await.expect("write");
+        drop(client);
+        let mut replay = Replay {
+            prefix: b"hello ".to_vec(),
+            pos: 0,
+            inner: server,
+        };
+        let mut small = [0u8; 4];
+        replay.read_exact(&mut small).await.expect("read");
+        assert_eq!(&small, b"hell");
+        let mut rest = Vec::new();
+        replay.read_to_end(&mut rest).await.expect("read");
+        assert_eq!(rest, b"o world");
+    }
+}
