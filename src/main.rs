@@ -25,14 +25,14 @@ enum Mode {
     /// Cluster-level controllers (Deployment).
     Controller(ControllerCommand),
     /// Scheduler extender beside kube-scheduler (host-network DaemonSet on control-plane nodes).
-    Extender(Common<10012>),
+    Extender(ExtenderCommand),
 }
 
 /// `pmem-csi node`.
 #[derive(Args, Debug)]
 struct NodeCommand {
     #[command(flatten)]
-    common: Common<10010>,
+    common: Common,
     #[command(flatten)]
     driver: driver::NodeArgs,
 }
@@ -41,31 +41,50 @@ struct NodeCommand {
 #[derive(Args, Debug)]
 struct ControllerCommand {
     #[command(flatten)]
-    common: Common<10011>,
+    common: Common,
     #[command(flatten)]
     controller: controllers::ControllerArgs,
 }
 
-/// Flags every mode takes; the admin port default differs per mode so that modes sharing a
-/// host network namespace (the extender and a node on a control-plane node) do not collide.
+/// `pmem-csi extender`.
 #[derive(Args, Debug)]
-struct Common<const PORT: u16> {
-    /// Listen address of the admin server (/healthz, /readyz, /metrics).
-    #[arg(long, env = "PMEM_CSI_ADMIN_ADDRESS", default_value_t = SocketAddr::from(([0, 0, 0, 0], PORT)))]
-    admin_address: SocketAddr,
+struct ExtenderCommand {
+    #[command(flatten)]
+    common: Common,
+    #[command(flatten)]
+    extender: webhooks::extender::ExtenderOptions,
+}
+
+/// Flags every mode takes.
+#[derive(Args, Debug)]
+struct Common {
+    /// Listen address of the admin server (/healthz, /readyz, /metrics); default 0.0.0.0 port
+    /// 10010 (node), 10011 (controller), 10012 (extender), so that modes sharing a host network
+    /// namespace (the extender and a node on a control-plane node) do not collide.
+    // Not a const-generic default: clap caches defaults in statics shared by every
+    // instantiation, so all three modes got the node's port.
+    #[arg(long, env = "PMEM_CSI_ADMIN_ADDRESS")]
+    admin_address: Option<SocketAddr>,
 
     /// Log line format.
     #[arg(long, env = "PMEM_CSI_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
 }
 
+impl Common {
+    fn admin(&self, default_port: u16) -> SocketAddr {
+        self.admin_address
+            .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], default_port)))
+    }
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let (mode, admin_address, log_format) = match &cli.mode {
-        Mode::Node(c) => ("node", c.common.admin_address, c.common.log_format),
-        Mode::Controller(c) => ("controller", c.common.admin_address, c.common.log_format),
-        Mode::Extender(c) => ("extender", c.admin_address, c.log_format),
+        Mode::Node(c) => ("node", c.common.admin(10010), c.common.log_format),
+        Mode::Controller(c) => ("controller", c.common.admin(10011), c.common.log_format),
+        Mode::Extender(c) => ("extender", c.common.admin(10012), c.common.log_format),
     };
     controllers::logging::init(log_format).map_err(anyhow::Error::msg)?;
     tracing::info!(mode, version = env!("CARGO_PKG_VERSION"), "starting");
@@ -149,6 +168,17 @@ async fn main() -> anyhow::Result<()> {
             process.run(token.clone()).await;
             // The concerns only end on shutdown; ending earlier is a failure.
             anyhow::ensure!(token.is_cancelled(), "the controller stopped unexpectedly");
+            Ok(())
+        });
+    }
+    if let Mode::Extender(c) = &cli.mode {
+        let config = c.extender.validate()?;
+        let extender =
+            webhooks::extender::Extender::start(config, &mut registry, &readiness).await?;
+        let token = shutdown.clone();
+        work.spawn(async move {
+            extender.run(token.clone()).await?;
+            anyhow::ensure!(token.is_cancelled(), "the extender stopped unexpectedly");
             Ok(())
         });
     }
