@@ -254,7 +254,7 @@ impl ControllerProcess {
                 heartbeat: self.config.heartbeat_grace,
                 namespace: self.config.namespace.clone(),
             },
-            self.stores.clone(),
+            self.stores.node_stores(),
         );
         self.tasks.spawn(liveness.clone().run(shutdown.clone()));
         let reporter = Reporter {

@@ -15,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::liveness::{self, CsiNodeState, HeartbeatState, Liveness, NodeObservation};
 use crate::node_selector::NodeSelector;
-use crate::stores::Stores;
+use crate::stores::NodeStores;
 
 /// How often the background task observes every node.
 const OBSERVE_EVERY: Duration = Duration::from_secs(1);
@@ -45,13 +45,13 @@ pub struct LivenessSettings {
 #[derive(Clone)]
 pub struct LivenessView {
     settings: Arc<LivenessSettings>,
-    stores: Stores,
+    stores: NodeStores,
     since: Arc<Mutex<HashMap<String, Instant>>>,
 }
 
 impl LivenessView {
     /// A view over `stores`.
-    pub fn new(settings: LivenessSettings, stores: Stores) -> Self {
+    pub fn new(settings: LivenessSettings, stores: NodeStores) -> Self {
         Self {
             settings: Arc::new(settings),
             stores,

@@ -107,7 +107,58 @@ where
     reader
 }
 
+/// The caches the driver liveness judgement reads.
+#[derive(Clone)]
+pub struct NodeStores {
+    /// Nodes.
+    pub nodes: Store<Node>,
+    /// CSINodes.
+    pub csinodes: Store<CSINode>,
+    /// Leases in the driver namespace (heartbeats).
+    pub leases: Store<Lease>,
+}
+
+impl NodeStores {
+    /// Starts the three watches (`namespace`: where the heartbeat Leases live).
+    pub fn start(client: &kube::Client, namespace: &str, tasks: &mut JoinSet<()>) -> Self {
+        Self {
+            nodes: cache(
+                Api::<Node>::all(client.clone()),
+                watcher::Config::default(),
+                tasks,
+            ),
+            csinodes: cache(
+                Api::<CSINode>::all(client.clone()),
+                watcher::Config::default(),
+                tasks,
+            ),
+            leases: cache(
+                Api::<Lease>::namespaced(client.clone(), namespace),
+                watcher::Config::default(),
+                tasks,
+            ),
+        }
+    }
+
+    /// Waits until every cache has listed once.
+    pub async fn wait_ready(&self) -> Result<(), reflector::store::WriterDropped> {
+        self.nodes.wait_until_ready().await?;
+        self.csinodes.wait_until_ready().await?;
+        self.leases.wait_until_ready().await?;
+        Ok(())
+    }
+}
+
 impl Stores {
+    /// The caches the liveness judgement reads.
+    pub fn node_stores(&self) -> NodeStores {
+        NodeStores {
+            nodes: self.nodes.clone(),
+            csinodes: self.csinodes.clone(),
+            leases: self.leases.clone(),
+        }
+    }
+
     /// Waits until every cache has listed once.
     pub async fn wait_ready(&self) -> Result<(), reflector::store::WriterDropped> {
         self.claims.wait_until_ready().await?;

@@ -18,6 +18,7 @@ pub mod scheduler_config;
 pub mod tools;
 pub mod wait;
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
@@ -52,6 +53,12 @@ pub enum TestEnvError {
     /// Node processes.
     #[error(transparent)]
     NodeProcesses(#[from] node_processes::NodeProcessesError),
+    /// The scheduler manifest.
+    #[error(transparent)]
+    SchedulerManifest(#[from] scheduler_config::ManifestError),
+    /// No free port.
+    #[error("finding a free port: {0}")]
+    Port(#[from] std::io::Error),
     /// An API call during start-up.
     #[error("setting up the cluster: {0}")]
     Api(#[from] kube::Error),
@@ -72,6 +79,7 @@ pub struct TestEnvBuilder {
     driver_name: String,
     scheduler: SchedulerConfig,
     drivers: Option<node_processes::DriverOptions>,
+    extender: Option<Vec<String>>,
 }
 
 impl Default for TestEnvBuilder {
@@ -81,6 +89,7 @@ impl Default for TestEnvBuilder {
             driver_name: DEFAULT_DRIVER_NAME.to_string(),
             scheduler: SchedulerConfig::default(),
             drivers: None,
+            extender: None,
         }
     }
 }
@@ -113,6 +122,18 @@ impl TestEnvBuilder {
         self
     }
 
+    /// Runs a supervised `pmem-csi extender` with `args` (besides address, driver name and node
+    /// selector) and configures kube-scheduler with the extender entry of
+    /// `manifests/scheduler/`, on a free port.
+    pub fn extender<I, S>(mut self, args: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.extender = Some(args.into_iter().map(Into::into).collect());
+        self
+    }
+
     /// Replaces the kube-scheduler configuration.
     pub fn scheduler(mut self, config: SchedulerConfig) -> Self {
         self.scheduler = config;
@@ -137,6 +158,7 @@ pub struct TestEnv {
     runtime: Handle,
     node_processes: std::sync::Mutex<Vec<node_processes::NodeProcesses>>,
     proxies: Vec<(String, proxy::TcpProxy)>,
+    extender: Option<ExtenderProcess>,
     /// Cancelled first on stop, so that no supervisor restarts what teardown kills.
     shutdown: CancellationToken,
     // Declared last: dropped after the components, so their graceful stop comes first.
@@ -149,7 +171,7 @@ impl TestEnv {
         TestEnvBuilder::default()
     }
 
-    async fn start(builder: TestEnvBuilder, runtime: Handle) -> Result<Self, TestEnvError> {
+    async fn start(mut builder: TestEnvBuilder, runtime: Handle) -> Result<Self, TestEnvError> {
         let tools = Tools::locate()?;
         let parent = std::env::temp_dir();
         leftovers::remove_stale_work_dirs(&parent);
@@ -163,6 +185,17 @@ impl TestEnv {
         let group = ProcessGroup::new()?;
         let pki = pki::Pki::new()?;
         tracing::info!(dir = %dir.path().display(), "starting testenv");
+        let extender_ports = match &builder.extender {
+            Some(_) => {
+                let (route, admin) = (ports::free_port()?, ports::free_port()?);
+                builder.scheduler = builder
+                    .scheduler
+                    .clone()
+                    .manifest_extender(route, &builder.driver_name)?;
+                Some((route, admin))
+            }
+            None => None,
+        };
         let control_plane =
             ControlPlane::start(dir.path(), &tools, &pki, &group, &builder.scheduler).await?;
         let mut env = Self {
@@ -174,9 +207,35 @@ impl TestEnv {
             runtime,
             node_processes: Default::default(),
             proxies: Vec::new(),
+            extender: None,
             shutdown: CancellationToken::new(),
             group,
         };
+        if let (Some(args), Some((route, admin))) = (builder.extender.take(), extender_ports) {
+            let address = SocketAddr::from(([127, 0, 0, 1], route));
+            let admin = SocketAddr::from(([127, 0, 0, 1], admin));
+            let spec = ProcessSpec::new("extender", env.tools.pmem_csi(), "extender.log")
+                .args([
+                    "extender".to_string(),
+                    format!("--extender-address={address}"),
+                    format!("--admin-address={admin}"),
+                    format!("--driver-name={}", env.driver_name),
+                    format!(
+                        "--node-selector={}={}",
+                        nodes::DEFAULT_NODE_SELECTOR.0,
+                        nodes::DEFAULT_NODE_SELECTOR.1
+                    ),
+                    format!("--namespace={}", node_processes::DRIVER_NAMESPACE),
+                ])
+                .args(args)
+                .env("KUBECONFIG", env.admin_kubeconfig());
+            let process = env.supervise(spec);
+            env.extender = Some(ExtenderProcess {
+                process,
+                address,
+                admin,
+            });
+        }
         let client = env.client().await?;
         for node in &env.nodes {
             // With driver processes, the CSINode lists the driver only once it serves.
@@ -404,6 +463,16 @@ impl TestEnv {
         )
     }
 
+    /// The extender's route and admin addresses, when it runs.
+    pub fn extender_addresses(&self) -> Option<(SocketAddr, SocketAddr)> {
+        self.extender.as_ref().map(|e| (e.address, e.admin))
+    }
+
+    /// Takes the extender process out of the testenv's hands (to stop or kill it).
+    pub fn take_extender(&mut self) -> Option<Supervised> {
+        self.extender.take().map(|e| e.process)
+    }
+
     /// Takes the processes of `node` out of the testenv's hands (to stop or kill them).
     pub fn take_node_processes(&self, node: &str) -> Option<node_processes::NodeProcesses> {
         let mut all = self
@@ -438,6 +507,9 @@ impl TestEnv {
             p.provisioner.stop().await;
             p.driver.stop().await;
         }
+        if let Some(extender) = self.extender.take() {
+            extender.process.stop().await;
+        }
         self.shutdown.cancel();
         if let Some(control_plane) = self.control_plane.take() {
             control_plane.stop().await;
@@ -449,6 +521,14 @@ impl TestEnv {
         }
         leftovers
     }
+}
+
+/// The extender testenv runs beside kube-scheduler.
+#[derive(Debug)]
+struct ExtenderProcess {
+    process: Supervised,
+    address: SocketAddr,
+    admin: SocketAddr,
 }
 
 /// A namespace for one test, named `<prefix>-<random>`; tests sharing a testenv stay apart.

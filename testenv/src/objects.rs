@@ -164,6 +164,134 @@ pub async fn selected_node(api: &Api<PersistentVolumeClaim>, name: &str) -> Opti
         .cloned()
 }
 
+/// `pod` as the pod webhook leaves it: `<driver>/scheduler: 1` in requests and limits of its
+/// first container, which makes kube-scheduler call the extender for it.
+pub fn with_scheduler_resource(
+    mut pod: k8s_openapi::api::core::v1::Pod,
+    driver: &str,
+) -> k8s_openapi::api::core::v1::Pod {
+    let resource = format!("{driver}/scheduler");
+    if let Some(container) = pod.spec.as_mut().and_then(|s| s.containers.first_mut()) {
+        let resources = container.resources.get_or_insert_with(Default::default);
+        for map in [&mut resources.requests, &mut resources.limits] {
+            map.get_or_insert_with(Default::default)
+                .insert(resource.clone(), Quantity("1".into()));
+        }
+    }
+    pod
+}
+
+/// A one-container pod with one CSI inline volume of `driver` of `size` (a quantity).
+pub fn pod_with_inline_volume(
+    namespace: &str,
+    name: &str,
+    driver: &str,
+    size: &str,
+) -> k8s_openapi::api::core::v1::Pod {
+    use k8s_openapi::api::core::v1::{CSIVolumeSource, Volume};
+    let mut pod = pod_with_claim(namespace, name, "unused");
+    if let Some(spec) = pod.spec.as_mut() {
+        spec.volumes = Some(vec![Volume {
+            name: "scratch".into(),
+            csi: Some(CSIVolumeSource {
+                driver: driver.into(),
+                volume_attributes: Some(BTreeMap::from([("size".to_string(), size.to_string())])),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }]);
+    }
+    pod
+}
+
+/// A CSIStorageCapacity of `driver` for `node` and `class` as the node's capacity publisher
+/// writes it: `capacity` = the sum of the pools' free bytes, `maximumVolumeSize` = the largest,
+/// and the `managed-bytes`, `alignment-bytes` (4 MiB) and `free-extents` annotations.
+pub fn published_capacity(
+    namespace: &str,
+    driver: &str,
+    node: &str,
+    class: &str,
+    pools: &[u64],
+    managed: u64,
+) -> k8s_openapi::api::storage::v1::CSIStorageCapacity {
+    use k8s_openapi::api::storage::v1::CSIStorageCapacity;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+    let mut sorted = pools.to_vec();
+    sorted.sort_unstable_by(|a, b| b.cmp(a));
+    CSIStorageCapacity {
+        metadata: ObjectMeta {
+            name: Some(format!("pmem-csi-{node}-{class}")),
+            namespace: Some(namespace.into()),
+            labels: Some(BTreeMap::from([
+                (
+                    "csi.storage.k8s.io/drivername".to_string(),
+                    driver.to_string(),
+                ),
+                (
+                    "csi.storage.k8s.io/managed-by".to_string(),
+                    format!("pmem-csi-{node}"),
+                ),
+            ])),
+            annotations: Some(BTreeMap::from([
+                (format!("{driver}/managed-bytes"), managed.to_string()),
+                (
+                    format!("{driver}/alignment-bytes"),
+                    (4u64 << 20).to_string(),
+                ),
+                (
+                    format!("{driver}/free-extents"),
+                    sorted
+                        .iter()
+                        .map(u64::to_string)
+                        .collect::<Vec<_>>()
+                        .join(","),
+                ),
+            ])),
+            ..Default::default()
+        },
+        storage_class_name: class.into(),
+        node_topology: Some(LabelSelector {
+            match_labels: Some(BTreeMap::from([(
+                format!("{driver}/node"),
+                node.to_string(),
+            )])),
+            ..Default::default()
+        }),
+        capacity: Some(Quantity(sorted.iter().sum::<u64>().to_string())),
+        maximum_volume_size: Some(Quantity(sorted.first().copied().unwrap_or(0).to_string())),
+    }
+}
+
+/// Creates or replaces `object` (server-side apply by "testenv").
+pub async fn apply<K>(api: &Api<K>, object: &K) -> Result<K, kube::Error>
+where
+    K: Resource + Clone + DeserializeOwned + serde::Serialize + std::fmt::Debug,
+{
+    let name = object.meta().name.clone().unwrap_or_default();
+    api.patch(
+        &name,
+        &kube::api::PatchParams::apply("testenv").force(),
+        &kube::api::Patch::Apply(object),
+    )
+    .await
+}
+
+/// The messages of the `FailedScheduling` Events of pod `name`, newest last.
+pub async fn failed_scheduling(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+) -> Result<Vec<String>, kube::Error> {
+    use k8s_openapi::api::core::v1::Event;
+    let events = Api::<Event>::namespaced(client.clone(), namespace)
+        .list(&kube::api::ListParams::default().fields(&format!(
+            "involvedObject.name={name},reason=FailedScheduling"
+        )))
+        .await?;
+    Ok(events.items.into_iter().filter_map(|e| e.message).collect())
+}
+
 /// Waits until object `name` no longer exists.
 pub async fn wait_gone<K>(api: &Api<K>, name: &str, timeout: Duration) -> Result<(), Timeout>
 where

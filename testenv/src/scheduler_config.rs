@@ -9,6 +9,11 @@ use serde_json::{Value, json};
 /// machine, short enough that a failure shows within a test (benchmarks use 600, the default).
 pub const TEST_BIND_TIMEOUT_SECONDS: u64 = 30;
 
+/// The scheduler manifest could not be read.
+#[derive(Debug, thiserror::Error)]
+#[error("reading the scheduler manifest: {0}")]
+pub struct ManifestError(String);
+
 /// A kube-scheduler configuration under construction.
 #[derive(Clone, Debug)]
 pub struct SchedulerConfig {
@@ -38,6 +43,27 @@ impl SchedulerConfig {
         self
     }
 
+    /// Adds the extender entry of `manifests/scheduler/scheduler-config.yaml`, pointed at
+    /// `127.0.0.1:<port>` and renamed for `driver`, so that tests run what users deploy.
+    pub fn manifest_extender(self, port: u16, driver: &str) -> Result<Self, ManifestError> {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../manifests/scheduler/scheduler-config.yaml");
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| ManifestError(format!("{}: {e}", path.display())))?;
+        let document: Value = serde_yaml::from_str(&text)
+            .map_err(|e| ManifestError(format!("{}: {e}", path.display())))?;
+        let mut extender = document["extenders"][0].clone();
+        if !extender.is_object() {
+            return Err(ManifestError(format!(
+                "{}: no extenders[0]",
+                path.display()
+            )));
+        }
+        extender["urlPrefix"] = json!(format!("http://127.0.0.1:{port}"));
+        extender["managedResources"][0]["name"] = json!(format!("{driver}/scheduler"));
+        Ok(self.extender(extender))
+    }
+
     /// The configuration document, with the scheduler's kubeconfig.
     pub fn render(&self, kubeconfig: &Path) -> Value {
         json!({
@@ -49,6 +75,7 @@ impl SchedulerConfig {
             // Retry unschedulable pods quickly: tests change capacity and expect a reaction.
             "podInitialBackoffSeconds": 1,
             "podMaxBackoffSeconds": 2,
+            "percentageOfNodesToScore": 100,
             "profiles": [{
                 "schedulerName": "default-scheduler",
                 "pluginConfig": [{
@@ -64,6 +91,24 @@ impl SchedulerConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn manifest_extender_is_the_shipped_one_on_a_test_port() {
+        let config = SchedulerConfig::default()
+            .manifest_extender(4321, "example.com")
+            .expect("manifest")
+            .render(Path::new("/k"));
+        let extender = &config["extenders"][0];
+        assert_eq!(extender["urlPrefix"], "http://127.0.0.1:4321");
+        assert_eq!(
+            extender["managedResources"][0]["name"],
+            "example.com/scheduler"
+        );
+        assert_eq!(extender["managedResources"][0]["ignoredByScheduler"], true);
+        assert_eq!(extender["nodeCacheCapable"], true);
+        assert_eq!(extender["ignorable"], false);
+        assert_eq!(extender["preemptVerb"], "preempt");
+    }
 
     #[test]
     fn render_carries_bind_timeout_and_extenders() {

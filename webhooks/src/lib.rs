@@ -6,11 +6,16 @@
 //! stay thin.
 
 pub mod admission;
+pub mod capacity_index;
+pub mod extender;
 pub mod extender_api;
+pub mod extender_metrics;
 pub mod fit;
 pub mod https;
 pub mod mutation;
+pub mod placement;
 pub mod pod_volumes;
 pub mod reservation_book;
 pub mod score;
+pub mod self_signed;
 pub mod tls;

@@ -1,0 +1,940 @@
+//! What the extender knows about every node's PMEM without asking anyone on the request path:
+//! the capacity each node publishes, and what is already allocated there — PVs of this driver,
+//! unbound claims with a selected node, and this driver's inline volumes in running pods — kept
+//! current by watch events.
+//!
+//! The index is pure: events are applied as plain objects, queries return plain numbers. Each
+//! allocation remembers the event sequence number that added it and each node's capacity the
+//! number at which it last changed, so that allocations the published free list cannot reflect
+//! yet are known (they are placed into the pools again by the fit).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::storage::v1::{CSIStorageCapacity, StorageClass};
+
+/// Annotation the scheduler sets on a late-binding claim once it chose a node.
+pub const SELECTED_NODE: &str = "volume.kubernetes.io/selected-node";
+/// Annotation naming the provisioner of a claim whose class may be gone.
+pub const STORAGE_PROVISIONER: &str = "volume.kubernetes.io/storage-provisioner";
+/// The pre-1.23 spelling of [`STORAGE_PROVISIONER`].
+pub const BETA_STORAGE_PROVISIONER: &str = "volume.beta.kubernetes.io/storage-provisioner";
+/// Label naming the driver on CSIStorageCapacity objects.
+pub const DRIVER_LABEL: &str = "csi.storage.k8s.io/drivername";
+
+/// One volume, however it is known.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum VolumeKey {
+    /// A claim, and the PV bound to it (one volume, whichever is seen first).
+    Claim {
+        /// Namespace.
+        namespace: String,
+        /// Claim name.
+        name: String,
+    },
+    /// A PV without a claim reference.
+    Volume(String),
+    /// A CSI inline volume of a pod.
+    Inline {
+        /// The pod's UID.
+        pod_uid: String,
+        /// The volume's name in the pod.
+        volume: String,
+    },
+}
+
+/// A node's capacity as its CSIStorageCapacity objects publish it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PublishedCapacity {
+    /// Free bytes per pool, largest first (`free-extents`, else one pool of `capacity`).
+    pub pools: Vec<u64>,
+    /// Bytes the driver manages (`managed-bytes`); `None` when not published.
+    pub managed: Option<u64>,
+    /// Volume sizes are multiples of this (`alignment-bytes`; 1 when not published).
+    pub alignment: u64,
+}
+
+/// What the fit needs to know about one node, excluding a pod's own claims.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeUsage {
+    /// Published capacity; `None` when the node published none.
+    pub published: Option<PublishedCapacity>,
+    /// Aligned bytes allocated on the node.
+    pub allocated: u64,
+    /// Aligned sizes of the allocations the published pools do not reflect yet.
+    pub unreflected: Vec<u64>,
+}
+
+/// What the index keeps of a StorageClass.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClassRecord {
+    /// Provisioner.
+    pub provisioner: String,
+    /// `volumeBindingMode` (`Immediate` when unset).
+    pub binding_mode: String,
+    /// Annotated as the default class.
+    pub default: bool,
+    /// Creation time (RFC 3339) for choosing among several defaults.
+    pub created: String,
+}
+
+/// What the index keeps of a PersistentVolumeClaim.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ClaimRecord {
+    /// `spec.storageClassName`.
+    pub class: Option<String>,
+    /// `spec.volumeName`, when bound or binding.
+    pub volume_name: Option<String>,
+    /// The selected-node annotation.
+    pub selected_node: Option<String>,
+    /// The storage-provisioner annotation (either spelling).
+    pub provisioner: Option<String>,
+    /// Requested bytes (0 when unset).
+    pub request: u64,
+    /// Being deleted.
+    pub deleting: bool,
+}
+
+/// What the index keeps of a pod: only its inline volumes of this driver, so that no full pod
+/// cache is needed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PodRecord {
+    /// `spec.nodeName`.
+    pub node: Option<String>,
+    /// Succeeded or Failed: its volumes are gone or going.
+    pub terminated: bool,
+    /// (volume name, bytes) of this driver's inline volumes.
+    pub inline: Vec<(String, u64)>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Allocation {
+    node: String,
+    size: u64,
+    seq: u64,
+}
+
+#[derive(Clone, Debug)]
+struct CapacityRecord {
+    published: PublishedCapacity,
+    seq: u64,
+    /// Capacity object name → its content; a node has one per class, all alike.
+    objects: BTreeMap<String, PublishedCapacity>,
+}
+
+/// The index. See the module documentation.
+#[derive(Debug)]
+pub struct CapacityIndex {
+    driver: String,
+    default_size: u64,
+    seq: u64,
+    classes: HashMap<String, ClassRecord>,
+    claims: HashMap<(String, String), ClaimRecord>,
+    /// Volume → (node, bytes) of PVs of this driver with a node.
+    volumes: HashMap<VolumeKey, (String, u64)>,
+    /// PV name → its key in `volumes`.
+    volume_keys: HashMap<String, VolumeKey>,
+    pods: HashMap<String, PodRecord>,
+    capacity: HashMap<String, CapacityRecord>,
+    allocations: HashMap<VolumeKey, Allocation>,
+    by_node: HashMap<String, HashSet<VolumeKey>>,
+}
+
+impl CapacityIndex {
+    /// An empty index for `driver`; claims and inline volumes without a size count as
+    /// `default_size` (the node driver's `--default-volume-size`).
+    pub fn new(driver: impl Into<String>, default_size: u64) -> Self {
+        Self {
+            driver: driver.into(),
+            default_size,
+            seq: 0,
+            classes: HashMap::new(),
+            claims: HashMap::new(),
+            volumes: HashMap::new(),
+            volume_keys: HashMap::new(),
+            pods: HashMap::new(),
+            capacity: HashMap::new(),
+            allocations: HashMap::new(),
+            by_node: HashMap::new(),
+        }
+    }
+
+    /// The driver name.
+    pub fn driver(&self) -> &str {
+        &self.driver
+    }
+
+    /// The size assumed for volumes that state none.
+    pub fn default_size(&self) -> u64 {
+        self.default_size
+    }
+
+    /// Adds or updates a StorageClass.
+    pub fn apply_class(&mut self, class: &StorageClass) {
+        let Some(name) = class.metadata.name.clone() else {
+            return;
+        };
+        let record = ClassRecord {
+            provisioner: class.provisioner.clone(),
+            binding_mode: class
+                .volume_binding_mode
+                .clone()
+                .unwrap_or_else(|| "Immediate".into()),
+            default: class
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get("storageclass.kubernetes.io/is-default-class"))
+                .is_some_and(|v| v == "true"),
+            created: class
+                .metadata
+                .creation_timestamp
+                .as_ref()
+                .map(|t| t.0.to_string())
+                .unwrap_or_default(),
+        };
+        self.classes.insert(name, record);
+        // A class decides whether its unbound claims are ours.
+        let keys: Vec<(String, String)> = self.claims.keys().cloned().collect();
+        self.bump();
+        for (namespace, name) in keys {
+            self.derive(&VolumeKey::Claim { namespace, name });
+        }
+    }
+
+    /// Removes a StorageClass.
+    pub fn delete_class(&mut self, name: &str) {
+        self.classes.remove(name);
+    }
+
+    /// A class by name.
+    pub fn class(&self, name: &str) -> Option<&ClassRecord> {
+        self.classes.get(name)
+    }
+
+    /// All classes, for the default-class rule.
+    pub fn classes(&self) -> impl Iterator<Item = (&String, &ClassRecord)> {
+        self.classes.iter()
+    }
+
+    /// Adds or updates a claim. Returns the node it newly counts on, so that the caller ends
+    /// the claim's reservation entry in the same locked update.
+    pub fn apply_claim(&mut self, claim: &PersistentVolumeClaim) -> Option<String> {
+        let (Some(namespace), Some(name)) = (
+            claim.metadata.namespace.clone(),
+            claim.metadata.name.clone(),
+        ) else {
+            return None;
+        };
+        let annotations = claim.metadata.annotations.as_ref();
+        let spec = claim.spec.as_ref();
+        let record = ClaimRecord {
+            class: spec.and_then(|s| s.storage_class_name.clone()),
+            volume_name: spec
+                .and_then(|s| s.volume_name.clone())
+                .filter(|v| !v.is_empty()),
+            selected_node: annotations.and_then(|a| a.get(SELECTED_NODE)).cloned(),
+            provisioner: annotations
+                .and_then(|a| {
+                    a.get(STORAGE_PROVISIONER)
+                        .or_else(|| a.get(BETA_STORAGE_PROVISIONER))
+                })
+                .cloned(),
+            request: spec
+                .and_then(|s| s.resources.as_ref())
+                .and_then(|r| r.requests.as_ref())
+                .and_then(|r| r.get("storage"))
+                .and_then(|q| controllers::quantity::parse_bytes(&q.0).ok())
+                .unwrap_or(0),
+            deleting: claim.metadata.deletion_timestamp.is_some(),
+        };
+        let key = VolumeKey::Claim {
+            namespace: namespace.clone(),
+            name: name.clone(),
+        };
+        let before = self.allocations.get(&key).map(|a| a.node.clone());
+        self.claims.insert((namespace, name), record);
+        self.bump();
+        self.derive(&key);
+        let after = self.allocations.get(&key).map(|a| a.node.clone());
+        after.filter(|node| before.as_ref() != Some(node))
+    }
+
+    /// Removes a claim.
+    pub fn delete_claim(&mut self, namespace: &str, name: &str) {
+        self.claims
+            .remove(&(namespace.to_string(), name.to_string()));
+        self.bump();
+        self.derive(&VolumeKey::Claim {
+            namespace: namespace.into(),
+            name: name.into(),
+        });
+    }
+
+    /// A claim by namespace and name.
+    pub fn claim(&self, namespace: &str, name: &str) -> Option<&ClaimRecord> {
+        self.claims.get(&(namespace.to_string(), name.to_string()))
+    }
+
+    /// Whether a claim is this driver's and waits for a node: unbound, and its class (or, the
+    /// class missing, its provisioner annotation) names this driver with late binding.
+    pub fn is_pending_ours(&self, claim: &ClaimRecord) -> bool {
+        if claim.volume_name.is_some() || claim.deleting {
+            return false;
+        }
+        match claim.class.as_deref().and_then(|c| self.classes.get(c)) {
+            Some(class) => class.provisioner == self.driver && class.binding_mode != "Immediate",
+            None => claim.provisioner.as_deref() == Some(self.driver.as_str()),
+        }
+    }
+
+    /// Adds or updates a PV.
+    pub fn apply_volume(&mut self, pv: &PersistentVolume) {
+        let Some(name) = pv.metadata.name.clone() else {
+            return;
+        };
+        let old = self.volume_keys.remove(&name);
+        if let Some(key) = &old {
+            self.volumes.remove(key);
+        }
+        let new = self.volume_entry(pv).map(|(key, node, size)| {
+            self.volume_keys.insert(name, key.clone());
+            self.volumes.insert(key.clone(), (node, size));
+            key
+        });
+        self.bump();
+        for key in old.iter().chain(new.iter()) {
+            self.derive(key);
+        }
+    }
+
+    /// Removes a PV.
+    pub fn delete_volume(&mut self, name: &str) {
+        if let Some(key) = self.volume_keys.remove(name) {
+            self.volumes.remove(&key);
+            self.bump();
+            self.derive(&key);
+        }
+    }
+
+    fn volume_entry(&self, pv: &PersistentVolume) -> Option<(VolumeKey, String, u64)> {
+        let spec = pv.spec.as_ref()?;
+        if spec.csi.as_ref()?.driver != self.driver {
+            return None;
+        }
+        let topology_key = format!("{}/node", self.driver);
+        let node = spec
+            .node_affinity
+            .as_ref()?
+            .required
+            .as_ref()?
+            .node_selector_terms
+            .iter()
+            .flat_map(|t| t.match_expressions.iter().flatten())
+            .find(|e| e.key == topology_key && e.operator == "In")
+            .and_then(|e| e.values.as_ref()?.first().cloned())?;
+        let size = spec
+            .capacity
+            .as_ref()
+            .and_then(|c| c.get("storage"))
+            .and_then(|q| controllers::quantity::parse_bytes(&q.0).ok())
+            .unwrap_or(0);
+        let key = match spec.claim_ref.as_ref() {
+            Some(r) => match (&r.namespace, &r.name) {
+                (Some(namespace), Some(claim)) => VolumeKey::Claim {
+                    namespace: namespace.clone(),
+                    name: claim.clone(),
+                },
+                _ => VolumeKey::Volume(pv.metadata.name.clone()?),
+            },
+            None => VolumeKey::Volume(pv.metadata.name.clone()?),
+        };
+        Some((key, node, size))
+    }
+
+    /// Adds or updates a pod (only its inline volumes of this driver are kept). Returns whether
+    /// the pod is bound to a node, so that the caller ends its inline reservation entries.
+    pub fn apply_pod(&mut self, pod: &Pod) -> bool {
+        let Some(uid) = pod.metadata.uid.clone() else {
+            return false;
+        };
+        let record = self.pod_record(pod);
+        let bound = record.node.is_some();
+        let old: Vec<String> = self
+            .pods
+            .get(&uid)
+            .map(|r| r.inline.iter().map(|(v, _)| v.clone()).collect())
+            .unwrap_or_default();
+        let keep = !record.inline.is_empty() || !old.is_empty();
+        let volumes: Vec<String> = record.inline.iter().map(|(v, _)| v.clone()).collect();
+        if keep {
+            self.pods.insert(uid.clone(), record);
+        }
+        self.bump();
+        for volume in old.into_iter().chain(volumes) {
+            self.derive(&VolumeKey::Inline {
+                pod_uid: uid.clone(),
+                volume,
+            });
+        }
+        bound
+    }
+
+    /// Removes a pod.
+    pub fn delete_pod(&mut self, uid: &str) {
+        if let Some(record) = self.pods.remove(uid) {
+            self.bump();
+            for (volume, _) in record.inline {
+                self.derive(&VolumeKey::Inline {
+                    pod_uid: uid.to_string(),
+                    volume,
+                });
+            }
+        }
+    }
+
+    /// What the index keeps of `pod`: its inline volumes of this driver and their sizes.
+    pub fn pod_record(&self, pod: &Pod) -> PodRecord {
+        let spec = pod.spec.as_ref();
+        let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+        PodRecord {
+            node: spec.and_then(|s| s.node_name.clone()),
+            terminated: matches!(phase, Some("Succeeded" | "Failed")),
+            inline: spec
+                .and_then(|s| s.volumes.as_ref())
+                .into_iter()
+                .flatten()
+                .filter_map(|v| {
+                    let csi = v.csi.as_ref()?;
+                    (csi.driver == self.driver).then(|| {
+                        let size = csi
+                            .volume_attributes
+                            .as_ref()
+                            .and_then(|a| a.get("size"))
+                            .and_then(|s| controllers::quantity::parse_bytes(s).ok())
+                            .filter(|s| *s > 0)
+                            .unwrap_or(self.default_size);
+                        (v.name.clone(), size)
+                    })
+                })
+                .collect(),
+        }
+    }
+
+    /// The kept record of pod `uid` (pods with inline volumes of this driver only).
+    pub fn pod(&self, uid: &str) -> Option<&PodRecord> {
+        self.pods.get(uid)
+    }
+
+    /// Adds or updates a CSIStorageCapacity object (others' objects are ignored).
+    pub fn apply_capacity(&mut self, object: &CSIStorageCapacity) {
+        let Some(name) = object.metadata.name.clone() else {
+            return;
+        };
+        let labels = object.metadata.labels.as_ref();
+        if labels.and_then(|l| l.get(DRIVER_LABEL)) != Some(&self.driver) {
+            return;
+        }
+        let topology_key = format!("{}/node", self.driver);
+        let Some(node) = object
+            .node_topology
+            .as_ref()
+            .and_then(|t| t.match_labels.as_ref())
+            .and_then(|l| l.get(&topology_key))
+            .cloned()
+        else {
+            return;
+        };
+        let published = published_capacity(&self.driver, object);
+        self.bump();
+        let seq = self.seq;
+        let record = self.capacity.entry(node).or_insert_with(|| CapacityRecord {
+            published: published.clone(),
+            seq,
+            objects: BTreeMap::new(),
+        });
+        record.objects.insert(name, published.clone());
+        if record.published != published {
+            record.published = published;
+            record.seq = seq;
+        }
+    }
+
+    /// Removes a CSIStorageCapacity object.
+    pub fn delete_capacity(&mut self, name: &str) {
+        let mut emptied = None;
+        for (node, record) in self.capacity.iter_mut() {
+            if record.objects.remove(name).is_some() {
+                match record.objects.values().next() {
+                    Some(other) => record.published = other.clone(),
+                    None => emptied = Some(node.clone()),
+                }
+            }
+        }
+        if let Some(node) = emptied {
+            self.capacity.remove(&node);
+        }
+        self.bump();
+    }
+
+    /// What `node` has allocated, leaving out `own_claims` (the filtered pod's, which count as
+    /// its demand instead).
+    pub fn usage(&self, node: &str, own_claims: &[(String, String)]) -> NodeUsage {
+        let record = self.capacity.get(node);
+        let alignment = record.map(|r| r.published.alignment).unwrap_or(1);
+        let mut usage = NodeUsage {
+            published: record.map(|r| r.published.clone()),
+            ..NodeUsage::default()
+        };
+        for key in self.by_node.get(node).into_iter().flatten() {
+            if let VolumeKey::Claim { namespace, name } = key
+                && own_claims.iter().any(|(n, c)| n == namespace && c == name)
+            {
+                continue;
+            }
+            let Some(allocation) = self.allocations.get(key) else {
+                continue;
+            };
+            let size = align(allocation.size, alignment);
+            usage.allocated = usage.allocated.saturating_add(size);
+            if record.is_none_or(|r| allocation.seq > r.seq) {
+                usage.unreflected.push(size);
+            }
+        }
+        usage
+    }
+
+    /// Names of the nodes that published capacity.
+    pub fn nodes(&self) -> impl Iterator<Item = &String> {
+        self.capacity.keys()
+    }
+
+    fn bump(&mut self) {
+        self.seq += 1;
+    }
+
+    /// Recomputes the allocation of `key` from its sources.
+    fn derive(&mut self, key: &VolumeKey) {
+        let wanted = match key {
+            VolumeKey::Claim { namespace, name } => match self.volumes.get(key) {
+                Some((node, size)) => Some((node.clone(), *size)),
+                None => self
+                    .claims
+                    .get(&(namespace.clone(), name.clone()))
+                    .filter(|c| self.is_pending_ours(c))
+                    .and_then(|c| {
+                        let node = c.selected_node.clone()?;
+                        let size = if c.request == 0 {
+                            self.default_size
+                        } else {
+                            c.request
+                        };
+                        Some((node, size))
+                    }),
+            },
+            VolumeKey::Volume(_) => self.volumes.get(key).cloned(),
+            VolumeKey::Inline { pod_uid, volume } => self.pods.get(pod_uid).and_then(|p| {
+                let node = p.node.clone().filter(|_| !p.terminated)?;
+                let (_, size) = p.inline.iter().find(|(v, _)| v == volume)?;
+                Some((node, *size))
+            }),
+        };
+        let current = self.allocations.get(key).map(|a| (a.node.clone(), a.size));
+        if current == wanted {
+            return;
+        }
+        if let Some(old) = self.allocations.remove(key)
+            && let Some(keys) = self.by_node.get_mut(&old.node)
+        {
+            keys.remove(key);
+            if keys.is_empty() {
+                self.by_node.remove(&old.node);
+            }
+        }
+        if let Some((node, size)) = wanted {
+            self.by_node
+                .entry(node.clone())
+                .or_default()
+                .insert(key.clone());
+            self.allocations.insert(
+                key.clone(),
+                Allocation {
+                    node,
+                    size,
+                    seq: self.seq,
+                },
+            );
+        }
+    }
+}
+
+/// Rounds `size` up to a multiple of `alignment` (saturating).
+pub fn align(size: u64, alignment: u64) -> u64 {
+    if alignment <= 1 {
+        return size;
+    }
+    size.div_ceil(alignment).saturating_mul(alignment)
+}
+
+/// Reads a capacity object of `driver` into plain numbers.
+pub fn published_capacity(driver: &str, object: &CSIStorageCapacity) -> PublishedCapacity {
+    let annotations = object.metadata.annotations.as_ref();
+    let annotation = |suffix: &str| annotations.and_then(|a| a.get(&format!("{driver}/{suffix}")));
+    let capacity = object
+        .capacity
+        .as_ref()
+        .and_then(|q| controllers::quantity::parse_bytes(&q.0).ok())
+        .unwrap_or(0);
+    let mut pools: Vec<u64> = annotation("free-extents")
+        .map(|list| {
+            list.split(',')
+                .filter(|s| !s.trim().is_empty())
+                .filter_map(|s| s.trim().parse().ok())
+                .collect()
+        })
+        .unwrap_or_else(|| vec![capacity]);
+    pools.sort_unstable_by(|a, b| b.cmp(a));
+    PublishedCapacity {
+        pools,
+        managed: annotation("managed-bytes").and_then(|v| v.parse().ok()),
+        alignment: annotation("alignment-bytes")
+            .and_then(|v| v.parse().ok())
+            .filter(|a| *a > 0)
+            .unwrap_or(1),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{
+        CSIPersistentVolumeSource, CSIVolumeSource, NodeSelector, NodeSelectorRequirement,
+        NodeSelectorTerm, ObjectReference, PersistentVolumeClaimSpec, PersistentVolumeSpec,
+        PodSpec, PodStatus, Volume, VolumeNodeAffinity, VolumeResourceRequirements,
+    };
+    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+    use kube::api::ObjectMeta;
+
+    const DRIVER: &str = "pmem-csi.intel.com";
+    const GI: u64 = 1 << 30;
+
+    fn class(name: &str, provisioner: &str, mode: &str) -> StorageClass {
+        StorageClass {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                ..Default::default()
+            },
+            provisioner: provisioner.into(),
+            volume_binding_mode: Some(mode.into()),
+            ..Default::default()
+        }
+    }
+
+    fn claim(
+        name: &str,
+        class: &str,
+        node: Option<&str>,
+        volume: Option<&str>,
+    ) -> PersistentVolumeClaim {
+        PersistentVolumeClaim {
+            metadata: ObjectMeta {
+                namespace: Some("ns".into()),
+                name: Some(name.into()),
+                annotations: node.map(|n| [(SELECTED_NODE.to_string(), n.to_string())].into()),
+                ..Default::default()
+            },
+            spec: Some(PersistentVolumeClaimSpec {
+                storage_class_name: Some(class.into()),
+                volume_name: volume.map(Into::into),
+                resources: Some(VolumeResourceRequirements {
+                    requests: Some([("storage".to_string(), Quantity("1Gi".into()))].into()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn volume(name: &str, node: &str, size: &str, claim: Option<&str>) -> PersistentVolume {
+        PersistentVolume {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                ..Default::default()
+            },
+            spec: Some(PersistentVolumeSpec {
+                capacity: Some([("storage".to_string(), Quantity(size.into()))].into()),
+                csi: Some(CSIPersistentVolumeSource {
+                    driver: DRIVER.into(),
+                    volume_handle: name.into(),
+                    ..Default::default()
+                }),
+                claim_ref: claim.map(|c| ObjectReference {
+                    namespace: Some("ns".into()),
+                    name: Some(c.into()),
+                    ..Default::default()
+                }),
+                node_affinity: Some(VolumeNodeAffinity {
+                    required: Some(NodeSelector {
+                        node_selector_terms: vec![NodeSelectorTerm {
+                            match_expressions: Some(vec![NodeSelectorRequirement {
+                                key: format!("{DRIVER}/node"),
+                                operator: "In".into(),
+                                values: Some(vec![node.into()]),
+                            }]),
+                            ..Default::default()
+                        }],
+                    }),
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn inline_pod(uid: &str, node: Option<&str>, phase: &str) -> Pod {
+        Pod {
+            metadata: ObjectMeta {
+                uid: Some(uid.into()),
+                ..Default::default()
+            },
+            spec: Some(PodSpec {
+                node_name: node.map(Into::into),
+                volumes: Some(vec![
+                    Volume {
+                        name: "mine".into(),
+                        csi: Some(CSIVolumeSource {
+                            driver: DRIVER.into(),
+                            volume_attributes: Some(
+                                [("size".to_string(), "2Gi".to_string())].into(),
+                            ),
+                            ..Default::default()
+                        }),
+                        ..Default::default()
+                    },
+                    Volume {
+                        name: "other".into(),
+                        csi: Some(CSIVolumeSource {
+                            driver: "other.example.com".into(),
+                            ..Default::default()
+                        }),
+                        ..Default::default()
+                    },
+                ]),
+                ..Default::default()
+            }),
+            status: Some(PodStatus {
+                phase: Some(phase.into()),
+                ..Default::default()
+            }),
+        }
+    }
+
+    fn capacity(name: &str, node: &str, free: &str, extents: Option<&str>) -> CSIStorageCapacity {
+        let mut annotations = BTreeMap::from([
+            (format!("{DRIVER}/managed-bytes"), (10 * GI).to_string()),
+            (
+                format!("{DRIVER}/alignment-bytes"),
+                (4u64 << 20).to_string(),
+            ),
+        ]);
+        if let Some(e) = extents {
+            annotations.insert(format!("{DRIVER}/free-extents"), e.into());
+        }
+        CSIStorageCapacity {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                labels: Some([(DRIVER_LABEL.to_string(), DRIVER.to_string())].into()),
+                annotations: Some(annotations),
+                ..Default::default()
+            },
+            storage_class_name: "c".into(),
+            node_topology: Some(LabelSelector {
+                match_labels: Some([(format!("{DRIVER}/node"), node.to_string())].into()),
+                ..Default::default()
+            }),
+            capacity: Some(Quantity(free.into())),
+            ..Default::default()
+        }
+    }
+
+    fn index() -> CapacityIndex {
+        let mut index = CapacityIndex::new(DRIVER, GI);
+        index.apply_class(&class("late", DRIVER, "WaitForFirstConsumer"));
+        index.apply_class(&class("now", DRIVER, "Immediate"));
+        index.apply_class(&class(
+            "theirs",
+            "other.example.com",
+            "WaitForFirstConsumer",
+        ));
+        index
+    }
+
+    #[test]
+    fn claims_count_on_their_selected_node_only_when_ours_and_unbound() {
+        let mut index = index();
+        for (name, object, counts) in [
+            ("late, selected", claim("a", "late", Some("n1"), None), true),
+            ("late, not selected", claim("b", "late", None, None), false),
+            ("immediate", claim("c", "now", Some("n1"), None), false),
+            (
+                "another driver's",
+                claim("d", "theirs", Some("n1"), None),
+                false,
+            ),
+            (
+                "bound without PV seen",
+                claim("e", "late", Some("n1"), Some("pv-e")),
+                false,
+            ),
+        ] {
+            let handed_over = index.apply_claim(&object);
+            assert_eq!(handed_over.is_some(), counts, "{name}");
+        }
+        assert_eq!(index.usage("n1", &[]).allocated, GI);
+        assert_eq!(
+            index.usage("n1", &[("ns".into(), "a".into())]).allocated,
+            0,
+            "the filtered pod's own claims are its demand, not allocations"
+        );
+        // Updating a claim that already counts hands nothing over twice.
+        assert_eq!(
+            index.apply_claim(&claim("a", "late", Some("n1"), None)),
+            None
+        );
+        index.delete_claim("ns", "a");
+        assert_eq!(index.usage("n1", &[]).allocated, 0);
+    }
+
+    #[test]
+    fn claim_and_its_volume_count_once_across_binding() {
+        let mut index = index();
+        index.apply_claim(&claim("a", "late", Some("n1"), None));
+        // The provisioner creates the PV before the binder updates the claim.
+        index.apply_volume(&volume("pv-a", "n1", "2Gi", Some("a")));
+        assert_eq!(
+            index.usage("n1", &[]).allocated,
+            2 * GI,
+            "the PV's real size wins"
+        );
+        index.apply_claim(&claim("a", "late", Some("n1"), Some("pv-a")));
+        assert_eq!(index.usage("n1", &[]).allocated, 2 * GI);
+        // Claim deleted, PV still there (reclaim pending): still allocated.
+        index.delete_claim("ns", "a");
+        assert_eq!(index.usage("n1", &[]).allocated, 2 * GI);
+        index.delete_volume("pv-a");
+        assert_eq!(index.usage("n1", &[]), NodeUsage::default());
+        // A PV without claim, and one of another node.
+        index.apply_volume(&volume("pv-x", "n1", "1Gi", None));
+        index.apply_volume(&volume("pv-y", "n2", "1Gi", None));
+        assert_eq!(index.usage("n1", &[]).allocated, GI);
+    }
+
+    #[test]
+    fn a_late_class_makes_existing_claims_count() {
+        let mut index = CapacityIndex::new(DRIVER, GI);
+        index.apply_claim(&claim("a", "late", Some("n1"), None));
+        assert_eq!(
+            index.usage("n1", &[]).allocated,
+            0,
+            "class unknown, no annotation"
+        );
+        index.apply_class(&class("late", DRIVER, "WaitForFirstConsumer"));
+        assert_eq!(index.usage("n1", &[]).allocated, GI);
+    }
+
+    #[test]
+    fn inline_volumes_count_while_the_pod_runs_on_a_node() {
+        let mut index = index();
+        assert!(!index.apply_pod(&inline_pod("u1", None, "Pending")));
+        assert_eq!(index.usage("n1", &[]).allocated, 0, "not bound yet");
+        assert!(index.apply_pod(&inline_pod("u1", Some("n1"), "Pending")));
+        assert_eq!(
+            index.usage("n1", &[]).allocated,
+            2 * GI,
+            "only our driver's volume"
+        );
+        index.apply_pod(&inline_pod("u1", Some("n1"), "Succeeded"));
+        assert_eq!(index.usage("n1", &[]).allocated, 0, "terminated");
+        index.apply_pod(&inline_pod("u1", Some("n1"), "Running"));
+        index.delete_pod("u1");
+        assert_eq!(index.usage("n1", &[]).allocated, 0);
+        // A pod without our volumes is not kept at all.
+        let mut plain = inline_pod("u2", Some("n1"), "Running");
+        if let Some(spec) = plain.spec.as_mut() {
+            spec.volumes = None;
+        }
+        index.apply_pod(&plain);
+        assert!(index.pods.is_empty());
+    }
+
+    #[test]
+    fn capacity_objects_and_unreflected_allocations() {
+        let mut index = index();
+        index.apply_claim(&claim("a", "late", Some("n1"), None));
+        let usage = index.usage("n1", &[]);
+        assert_eq!((usage.published, usage.unreflected), (None, vec![GI]));
+        index.apply_capacity(&capacity(
+            "cap-n1-c",
+            "n1",
+            "3Gi",
+            Some("1073741824,2147483648"),
+        ));
+        let usage = index.usage("n1", &[]);
+        let published = usage.published.clone().expect("published");
+        assert_eq!(published.pools, vec![2 * GI, GI], "largest first");
+        assert_eq!(
+            (published.managed, published.alignment),
+            (Some(10 * GI), 4 << 20)
+        );
+        assert!(
+            usage.unreflected.is_empty(),
+            "published after the claim was selected"
+        );
+        index.apply_claim(&claim("b", "late", Some("n1"), None));
+        assert_eq!(index.usage("n1", &[]).unreflected, vec![GI]);
+        // The same content again (another class's object) changes nothing.
+        index.apply_capacity(&capacity(
+            "cap-n1-d",
+            "n1",
+            "3Gi",
+            Some("1073741824,2147483648"),
+        ));
+        assert_eq!(index.usage("n1", &[]).unreflected, vec![GI]);
+        index.apply_capacity(&capacity("cap-n1-c", "n1", "2Gi", None));
+        let usage = index.usage("n1", &[]);
+        assert!(usage.unreflected.is_empty());
+        assert_eq!(usage.published.map(|p| p.pools), Some(vec![2 * GI]));
+        index.delete_capacity("cap-n1-c");
+        assert!(
+            index.usage("n1", &[]).published.is_some(),
+            "one object left"
+        );
+        index.delete_capacity("cap-n1-d");
+        assert!(index.usage("n1", &[]).published.is_none());
+        // Another driver's object is ignored.
+        let mut theirs = capacity("x", "n2", "1Gi", None);
+        theirs.metadata.labels = None;
+        index.apply_capacity(&theirs);
+        assert_eq!(index.nodes().count(), 0);
+    }
+
+    #[test]
+    fn align_table() {
+        for (size, alignment, want) in [
+            (0, 4, 0),
+            (1, 4, 4),
+            (4, 4, 4),
+            (5, 1, 5),
+            (5, 0, 5),
+            (u64::MAX, 4 << 20, u64::MAX - (4 << 20) + 1),
+        ] {
+            let got = align(size, alignment);
+            assert!(got >= size.min(u64::MAX - (4 << 20)), "{size} {alignment}");
+            if size != u64::MAX {
+                assert_eq!(got, want, "{size} {alignment}");
+            }
+        }
+    }
+}

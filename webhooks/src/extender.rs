@@ -1,0 +1,688 @@
+//! `pmem-csi extender`: its flags, the watches that keep the capacity index current, and the
+//! plain-HTTP routes kube-scheduler calls on 127.0.0.1. Every decision is made by
+//! [`crate::placement`]; this shell decodes, locks, calls and encodes. No network I/O happens
+//! on the request path.
+
+use std::collections::HashSet;
+use std::fmt::Debug;
+use std::hash::Hash;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::storage::v1::{CSIStorageCapacity, StorageClass};
+use kube::runtime::WatchStreamExt;
+use kube::runtime::watcher::{self, Event};
+use kube::{Api, Resource, ResourceExt};
+use prometheus_client::registry::Registry;
+use serde::de::DeserializeOwned;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use controllers::duration::parse_duration;
+use controllers::liveness::Liveness;
+use controllers::liveness_view::{LivenessSettings, LivenessView};
+use controllers::node_selector::NodeSelector;
+use controllers::readiness::{Readiness, ReadyFlag};
+use controllers::stores::NodeStores;
+
+use crate::extender_metrics::{ExtenderMetrics, ReservationEvent};
+use crate::placement::{ExtenderState, Placement};
+use crate::score::ScorePolicy;
+
+/// Body limit of the extender routes: full `Nodes` lists of big clusters are large.
+pub const BODY_LIMIT: usize = 64 << 20;
+/// How often expired reservations are dropped.
+const EXPIRE_EVERY: Duration = Duration::from_secs(10);
+
+/// Flags of `pmem-csi extender`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ExtenderOptions {
+    /// Where kube-scheduler calls the extender: plain HTTP, loopback only.
+    #[arg(long, default_value = "127.0.0.1:10013")]
+    pub extender_address: SocketAddr,
+
+    /// CSI driver name.
+    #[arg(
+        long,
+        env = "PMEM_CSI_DRIVER_NAME",
+        default_value = "pmem-csi.intel.com"
+    )]
+    pub driver_name: String,
+
+    /// Labels of the nodes meant to run the driver: `k=v[,k=v]` or a JSON map. Required.
+    #[arg(long)]
+    pub node_selector: Option<String>,
+
+    /// How long a node must look driverless before it is filtered out as such.
+    #[arg(long, default_value = "30s")]
+    pub reschedule_grace: String,
+
+    /// Also judge a node driverless when its heartbeat Lease has been expired this long.
+    #[arg(long)]
+    pub heartbeat_grace: Option<String>,
+
+    /// The driver's namespace (heartbeat Leases).
+    #[arg(long, env = "POD_NAMESPACE", default_value = "pmem-csi")]
+    pub namespace: String,
+
+    /// reserve-all: every node where the pod fits, reserved on each; pin: one node, reserved;
+    /// scheduler: every node where it fits, no reservation (racy under bursts).
+    #[arg(long, default_value = "reserve-all")]
+    pub placement: Placement,
+
+    /// How /prioritize ranks nodes by free PMEM after placing the pod.
+    #[arg(long, default_value = "most-free")]
+    pub score: ScorePolicy,
+
+    /// How long a reservation lives without its volumes showing up.
+    #[arg(long, default_value = "10m")]
+    pub reservation_ttl: String,
+
+    /// Size assumed for a claim or inline volume that states none (the nodes' own default).
+    #[arg(long, default_value = "1Gi")]
+    pub default_volume_size: String,
+
+    /// Requests per second to the apiserver (client-side token bucket; 0 disables).
+    #[arg(long, default_value_t = 20.0)]
+    pub kube_api_qps: f64,
+
+    /// Requests the client may send at once before `--kube-api-qps` applies.
+    #[arg(long, default_value_t = 40)]
+    pub kube_api_burst: u32,
+}
+
+/// Validated extender configuration.
+#[derive(Clone, Debug)]
+pub struct ExtenderConfig {
+    /// Route address (loopback).
+    pub address: SocketAddr,
+    /// Liveness settings (driver, selector, graces, namespace).
+    pub liveness: LivenessSettings,
+    /// Placement mode.
+    pub placement: Placement,
+    /// Score policy.
+    pub score: ScorePolicy,
+    /// Reservation TTL.
+    pub reservation_ttl: Duration,
+    /// Default volume size in bytes.
+    pub default_volume_size: u64,
+    /// Client rate limit.
+    pub kube_api: (f64, u32),
+}
+
+/// A flag that does not validate.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("--{flag}: {reason}")]
+pub struct ExtenderConfigError {
+    /// The flag.
+    pub flag: &'static str,
+    /// Why.
+    pub reason: String,
+}
+
+impl ExtenderOptions {
+    /// Validates the flags.
+    pub fn validate(&self) -> Result<ExtenderConfig, ExtenderConfigError> {
+        let err = |flag, reason: String| ExtenderConfigError { flag, reason };
+        if !self.extender_address.ip().is_loopback() {
+            return Err(err(
+                "extender-address",
+                format!(
+                    "{} is not a loopback address; the extender speaks plain HTTP and only \
+                     kube-scheduler on the same host may call it",
+                    self.extender_address
+                ),
+            ));
+        }
+        let selector = self.node_selector.as_deref().ok_or_else(|| {
+            err(
+                "node-selector",
+                "required (for example storage=pmem)".into(),
+            )
+        })?;
+        let selector = NodeSelector::parse(selector).map_err(|e| err("node-selector", e.reason))?;
+        let grace =
+            parse_duration(&self.reschedule_grace).map_err(|e| err("reschedule-grace", e))?;
+        let heartbeat = self
+            .heartbeat_grace
+            .as_deref()
+            .map(parse_duration)
+            .transpose()
+            .map_err(|e| err("heartbeat-grace", e))?;
+        if self.namespace.is_empty() {
+            return Err(err("namespace", "must not be empty".into()));
+        }
+        let reservation_ttl =
+            parse_duration(&self.reservation_ttl).map_err(|e| err("reservation-ttl", e))?;
+        if reservation_ttl.is_zero() {
+            return Err(err("reservation-ttl", "must be above zero".into()));
+        }
+        let default_volume_size = controllers::quantity::parse_bytes(&self.default_volume_size)
+            .map_err(|e| err("default-volume-size", e.to_string()))?;
+        if default_volume_size == 0 {
+            return Err(err("default-volume-size", "must be above zero".into()));
+        }
+        Ok(ExtenderConfig {
+            address: self.extender_address,
+            liveness: LivenessSettings {
+                driver: self.driver_name.clone(),
+                selector,
+                grace,
+                heartbeat,
+                namespace: self.namespace.clone(),
+            },
+            placement: self.placement,
+            score: self.score,
+            reservation_ttl,
+            default_volume_size,
+            kube_api: (self.kube_api_qps, self.kube_api_burst),
+        })
+    }
+}
+
+/// Failures starting the extender.
+#[derive(Debug, thiserror::Error)]
+pub enum ExtenderError {
+    /// No usable kubeconfig or in-cluster configuration.
+    #[error("connecting to the apiserver: {0}")]
+    Client(#[from] kube::Error),
+    /// The route address cannot be bound.
+    #[error("listening on {address}: {source}")]
+    Bind {
+        /// Where.
+        address: SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The server failed.
+    #[error("serving the extender routes: {0}")]
+    Serve(std::io::Error),
+}
+
+/// What the routes share.
+#[derive(Clone)]
+struct Shared {
+    state: Arc<Mutex<ExtenderState>>,
+    liveness: LivenessView,
+    config: Arc<ExtenderConfig>,
+    metrics: ExtenderMetrics,
+}
+
+/// The running extender: watches started, routes bound.
+pub struct Extender {
+    shared: Shared,
+    listener: tokio::net::TcpListener,
+    tasks: JoinSet<()>,
+    node_stores: NodeStores,
+    synced: ReadyFlag,
+    watches_synced: Vec<tokio::sync::watch::Receiver<bool>>,
+}
+
+impl Extender {
+    /// Connects, starts the watches and binds the route address.
+    pub async fn start(
+        config: ExtenderConfig,
+        registry: &mut Registry,
+        readiness: &Readiness,
+    ) -> Result<Self, ExtenderError> {
+        let client = controllers::rate_limit::client(config.kube_api.0, config.kube_api.1).await?;
+        let listener = tokio::net::TcpListener::bind(config.address)
+            .await
+            .map_err(|source| ExtenderError::Bind {
+                address: config.address,
+                source,
+            })?;
+        let mut tasks = JoinSet::new();
+        let node_stores = NodeStores::start(&client, &config.liveness.namespace, &mut tasks);
+        let liveness = LivenessView::new(config.liveness.clone(), node_stores.clone());
+        let state = Arc::new(Mutex::new(ExtenderState::new(
+            &config.liveness.driver,
+            config.default_volume_size,
+            config.reservation_ttl,
+        )));
+        let shared = Shared {
+            state,
+            liveness,
+            config: Arc::new(config),
+            metrics: ExtenderMetrics::register(registry),
+        };
+        let mut watches_synced = Vec::new();
+        let driver_label = format!(
+            "{}={}",
+            crate::capacity_index::DRIVER_LABEL,
+            shared.config.liveness.driver
+        );
+        watches_synced.push(feed(
+            Api::<StorageClass>::all(client.clone()),
+            watcher::Config::default(),
+            shared.clone(),
+            &mut tasks,
+        ));
+        watches_synced.push(feed(
+            Api::<PersistentVolumeClaim>::all(client.clone()),
+            watcher::Config::default(),
+            shared.clone(),
+            &mut tasks,
+        ));
+        watches_synced.push(feed(
+            Api::<PersistentVolume>::all(client.clone()),
+            watcher::Config::default(),
+            shared.clone(),
+            &mut tasks,
+        ));
+        watches_synced.push(feed(
+            Api::<CSIStorageCapacity>::all(client.clone()),
+            watcher::Config::default().labels(&driver_label),
+            shared.clone(),
+            &mut tasks,
+        ));
+        watches_synced.push(feed(
+            Api::<Pod>::all(client.clone()),
+            watcher::Config::default(),
+            shared.clone(),
+            &mut tasks,
+        ));
+        Ok(Self {
+            shared,
+            listener,
+            tasks,
+            node_stores,
+            synced: readiness.register("extender-caches-synced"),
+            watches_synced,
+        })
+    }
+
+    /// The bound route address.
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.listener.local_addr().ok()
+    }
+
+    /// Serves until `shutdown`.
+    pub async fn run(mut self, shutdown: CancellationToken) -> Result<(), ExtenderError> {
+        let shared = self.shared.clone();
+        self.tasks
+            .spawn(shared.liveness.clone().run(shutdown.clone()));
+        let expiring = shared.clone();
+        let token = shutdown.clone();
+        self.tasks.spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep(EXPIRE_EVERY) => {}
+                    _ = token.cancelled() => return,
+                }
+                let mut state = expiring.lock();
+                let expired = state.expire(Instant::now());
+                for pod in &expired {
+                    tracing::warn!(pod = %pod, "reservation expired: the scheduler neither bound nor re-filtered the pod");
+                }
+                expiring
+                    .metrics
+                    .reservation(ReservationEvent::Expired, expired.len() as u64);
+                expiring.metrics.set_reserved(state.reserved_bytes());
+            }
+        });
+        // Ready once every watch has listed: answers from a half-filled index would
+        // over-commit.
+        let synced = self.synced.clone();
+        let stores = self.node_stores.clone();
+        let mut waits = std::mem::take(&mut self.watches_synced);
+        let token = shutdown.clone();
+        self.tasks.spawn(async move {
+            let all = async {
+                for w in &mut waits {
+                    if w.wait_for(|s| *s).await.is_err() {
+                        return false;
+                    }
+                }
+                stores.wait_ready().await.is_ok()
+            };
+            tokio::select! {
+                ok = all => {
+                    if ok {
+                        tracing::info!("caches synced");
+                        synced.set(true);
+                    }
+                }
+                _ = token.cancelled() => {}
+            }
+        });
+        let router = router(shared);
+        let result = axum::serve(self.listener, router)
+            .with_graceful_shutdown(shutdown.cancelled_owned())
+            .await
+            .map_err(ExtenderError::Serve);
+        self.tasks.abort_all();
+        result
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, ExtenderState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// The extender's routes (public for the load benchmark and the bad-input tests).
+fn router(shared: Shared) -> Router {
+    Router::new()
+        .route("/filter", post(filter))
+        .route("/prioritize", post(prioritize))
+        .route("/preempt", post(preempt))
+        .route("/status", get(|| async { "ok" }))
+        .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .with_state(shared)
+}
+
+/// A decoded request failed validation: 400 with the message.
+fn bad_request(message: String) -> Response {
+    (StatusCode::BAD_REQUEST, message).into_response()
+}
+
+fn json(value: &impl serde::Serialize) -> Response {
+    match serde_json::to_vec(value) {
+        Ok(body) => (
+            StatusCode::OK,
+            [(axum::http::header::CONTENT_TYPE, "application/json")],
+            body,
+        )
+            .into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}
+
+fn judge_driverless(liveness: &LivenessView) -> impl Fn(&str) -> bool + '_ {
+    move |node| matches!(liveness.judge(node), Liveness::DefinitelyNotRunning(_))
+}
+
+async fn filter(State(shared): State<Shared>, body: Bytes) -> Response {
+    let started = Instant::now();
+    let response = match crate::extender_api::decode_request(&body) {
+        Err(e) => bad_request(e.to_string()),
+        Ok(request) => {
+            let driverless = judge_driverless(&shared.liveness);
+            let mut state = shared.lock();
+            let outcome = state.filter(
+                request,
+                &driverless,
+                shared.config.placement,
+                shared.config.score,
+                Instant::now(),
+            );
+            shared.metrics.set_reserved(state.reserved_bytes());
+            drop(state);
+            for (reason, n) in &outcome.rejections {
+                shared.metrics.rejected(reason, *n);
+            }
+            if let Some(event) = outcome.event {
+                shared.metrics.reservation(event, 1);
+            }
+            tracing::debug!(
+                pod = %outcome.pod,
+                passed = outcome.result_nodes,
+                details = ?outcome.details,
+                "filter"
+            );
+            json(&outcome.result)
+        }
+    };
+    shared
+        .metrics
+        .request("filter", response.status().as_u16(), started.elapsed());
+    response
+}
+
+async fn prioritize(State(shared): State<Shared>, body: Bytes) -> Response {
+    let started = Instant::now();
+    let response = match crate::extender_api::decode_request(&body) {
+        Err(e) => bad_request(e.to_string()),
+        Ok(request) => {
+            let state = shared.lock();
+            let scores = state.prioritize(&request, shared.config.score);
+            drop(state);
+            json(&scores)
+        }
+    };
+    shared
+        .metrics
+        .request("prioritize", response.status().as_u16(), started.elapsed());
+    response
+}
+
+async fn preempt(State(shared): State<Shared>, body: Bytes) -> Response {
+    let started = Instant::now();
+    let response = match crate::extender_api::decode_preemption_request(&body) {
+        Err(e) => bad_request(e.to_string()),
+        Ok(request) => {
+            let state = shared.lock();
+            let result = state.preempt(request);
+            drop(state);
+            json(&result)
+        }
+    };
+    shared
+        .metrics
+        .request("preempt", response.status().as_u16(), started.elapsed());
+    response
+}
+
+/// One kind of object the index is fed with.
+trait Indexed: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static {
+    /// The key remembered to notice objects deleted while the watch was down.
+    fn key(&self) -> String;
+    /// Applies the object (and, for claims and pods, ends reservation entries in the same
+    /// locked update).
+    fn apply(&self, state: &mut ExtenderState, metrics: &ExtenderMetrics);
+    /// Removes the object with `key`.
+    fn remove(key: &str, state: &mut ExtenderState, metrics: &ExtenderMetrics);
+}
+
+impl Indexed for StorageClass {
+    fn key(&self) -> String {
+        self.name_any()
+    }
+    fn apply(&self, state: &mut ExtenderState, _: &ExtenderMetrics) {
+        state.index.apply_class(self);
+    }
+    fn remove(key: &str, state: &mut ExtenderState, _: &ExtenderMetrics) {
+        state.index.delete_class(key);
+    }
+}
+
+impl Indexed for PersistentVolumeClaim {
+    fn key(&self) -> String {
+        format!(
+            "{}/{}",
+            self.namespace().unwrap_or_default(),
+            self.name_any()
+        )
+    }
+    fn apply(&self, state: &mut ExtenderState, metrics: &ExtenderMetrics) {
+        if state.apply_claim(self) {
+            metrics.reservation(ReservationEvent::HandedOver, 1);
+        }
+    }
+    fn remove(key: &str, state: &mut ExtenderState, _: &ExtenderMetrics) {
+        if let Some((namespace, name)) = key.split_once('/') {
+            state.index.delete_claim(namespace, name);
+        }
+    }
+}
+
+impl Indexed for PersistentVolume {
+    fn key(&self) -> String {
+        self.name_any()
+    }
+    fn apply(&self, state: &mut ExtenderState, _: &ExtenderMetrics) {
+        state.index.apply_volume(self);
+    }
+    fn remove(key: &str, state: &mut ExtenderState, _: &ExtenderMetrics) {
+        state.index.delete_volume(key);
+    }
+}
+
+impl Indexed for CSIStorageCapacity {
+    fn key(&self) -> String {
+        self.name_any()
+    }
+    fn apply(&self, state: &mut ExtenderState, _: &ExtenderMetrics) {
+        state.index.apply_capacity(self);
+    }
+    fn remove(key: &str, state: &mut ExtenderState, _: &ExtenderMetrics) {
+        state.index.delete_capacity(key);
+    }
+}
+
+impl Indexed for Pod {
+    fn key(&self) -> String {
+        self.uid().unwrap_or_default()
+    }
+    fn apply(&self, state: &mut ExtenderState, metrics: &ExtenderMetrics) {
+        if state.apply_pod(self) {
+            metrics.reservation(ReservationEvent::Bound, 1);
+        }
+    }
+    fn remove(key: &str, state: &mut ExtenderState, metrics: &ExtenderMetrics) {
+        if state.delete_pod(key) {
+            metrics.reservation(ReservationEvent::Released, 1);
+        }
+    }
+}
+
+/// Watches `api` into the index; the returned flag turns true after the first full list.
+fn feed<K: Indexed>(
+    api: Api<K>,
+    config: watcher::Config,
+    shared: Shared,
+    tasks: &mut JoinSet<()>,
+) -> tokio::sync::watch::Receiver<bool>
+where
+    K::DynamicType: Default + Eq + Hash + Clone,
+{
+    let (synced_tx, synced_rx) = tokio::sync::watch::channel(false);
+    tasks.spawn(async move {
+        let mut known: HashSet<String> = HashSet::new();
+        let mut listing: HashSet<String> = HashSet::new();
+        let mut events = std::pin::pin!(watcher::watcher(api, config).default_backoff());
+        while let Some(event) = events.next().await {
+            let event = match event {
+                Ok(e) => e,
+                Err(e) => {
+                    tracing::warn!(kind = %K::kind(&Default::default()), "watch: {e}");
+                    continue;
+                }
+            };
+            let mut state = shared.lock();
+            match event {
+                Event::Apply(object) => {
+                    known.insert(object.key());
+                    object.apply(&mut state, &shared.metrics);
+                }
+                Event::Delete(object) => {
+                    let key = object.key();
+                    known.remove(&key);
+                    K::remove(&key, &mut state, &shared.metrics);
+                }
+                Event::Init => listing.clear(),
+                Event::InitApply(object) => {
+                    listing.insert(object.key());
+                    object.apply(&mut state, &shared.metrics);
+                }
+                Event::InitDone => {
+                    // Objects deleted while the watch was down send no Delete.
+                    for gone in known.difference(&listing) {
+                        K::remove(gone, &mut state, &shared.metrics);
+                    }
+                    known = std::mem::take(&mut listing);
+                    drop(state);
+                    let _ = synced_tx.send(true);
+                    continue;
+                }
+            }
+            shared.metrics.set_reserved(state.reserved_bytes());
+        }
+    });
+    synced_rx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn options() -> ExtenderOptions {
+        ExtenderOptions {
+            extender_address: SocketAddr::from(([127, 0, 0, 1], 10013)),
+            driver_name: "pmem-csi.intel.com".into(),
+            node_selector: Some("storage=pmem".into()),
+            reschedule_grace: "30s".into(),
+            heartbeat_grace: None,
+            namespace: "pmem-csi".into(),
+            placement: Placement::ReserveAll,
+            score: ScorePolicy::MostFree,
+            reservation_ttl: "10m".into(),
+            default_volume_size: "1Gi".into(),
+            kube_api_qps: 20.0,
+            kube_api_burst: 40,
+        }
+    }
+
+    #[test]
+    fn validate_table() {
+        type Edit = fn(&mut ExtenderOptions);
+        let cases: [(&str, Edit, Option<&str>); 7] = [
+            ("valid", |_| {}, None),
+            (
+                "not loopback",
+                |o| o.extender_address = SocketAddr::from(([0, 0, 0, 0], 1)),
+                Some("extender-address"),
+            ),
+            (
+                "no selector",
+                |o| o.node_selector = None,
+                Some("node-selector"),
+            ),
+            (
+                "bad grace",
+                |o| o.reschedule_grace = "x".into(),
+                Some("reschedule-grace"),
+            ),
+            (
+                "zero ttl",
+                |o| o.reservation_ttl = "0s".into(),
+                Some("reservation-ttl"),
+            ),
+            (
+                "bad size",
+                |o| o.default_volume_size = "big".into(),
+                Some("default-volume-size"),
+            ),
+            (
+                "empty namespace",
+                |o| o.namespace = String::new(),
+                Some("namespace"),
+            ),
+        ];
+        for (name, edit, flag) in cases {
+            let mut o = options();
+            edit(&mut o);
+            match (o.validate(), flag) {
+                (Ok(_), None) => {}
+                (Err(e), Some(flag)) => assert_eq!(e.flag, flag, "{name}"),
+                (got, want) => panic!("{name}: got {got:?}, want error on {want:?}"),
+            }
+        }
+        let config = options().validate().expect("valid");
+        assert_eq!(
+            (config.reservation_ttl, config.default_volume_size),
+            (Duration::from_secs(600), 1 << 30)
+        );
+    }
+}

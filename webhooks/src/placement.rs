@@ -1,0 +1,405 @@
+//! What the extender decides: the capacity index and the reservation book behind one lock,
+//! and the three scheduler calls over them — filter (fit, reserve), prioritize (score) and
+//! preempt (drop candidates where victims leaving does not make room). No I/O: the liveness
+//! judgement comes in as a function, time as an `Instant`.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
+
+use crate::capacity_index::{CapacityIndex, ClaimRecord};
+use crate::extender_api::{
+    ExtenderFilterResult, ExtenderPreemptionResult, ExtenderRequest, HostPriorityList,
+    PreemptionRequest, Rejection,
+};
+use crate::extender_metrics::ReservationEvent;
+use crate::fit::{self, NodeView};
+use crate::pod_volumes::{self, ClaimFacts, ClassFacts, DemandKey, VolumeFacts, VolumeSource};
+use crate::reservation_book::{Entry, EntryKey, ReservationBook};
+use crate::score::{self, ScorePolicy};
+
+/// How `/filter` answers and reserves (`--placement`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Placement {
+    /// Every node where the pod's volumes fit together, reserved on each.
+    #[default]
+    ReserveAll,
+    /// Exactly one node, the best by `--score`, reserved there. Gives up the scheduler's soft
+    /// constraints (preferred affinity, spreading).
+    Pin,
+    /// Every node where the volumes fit, nothing reserved: racy under bursts.
+    Scheduler,
+}
+
+/// A `--placement` value that is not a mode.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown placement {0:?}, expected \"reserve-all\", \"pin\" or \"scheduler\"")]
+pub struct UnknownPlacement(pub String);
+
+impl FromStr for Placement {
+    type Err = UnknownPlacement;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "reserve-all" => Ok(Placement::ReserveAll),
+            "pin" => Ok(Placement::Pin),
+            "scheduler" => Ok(Placement::Scheduler),
+            other => Err(UnknownPlacement(other.to_owned())),
+        }
+    }
+}
+
+impl fmt::Display for Placement {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Placement::ReserveAll => "reserve-all",
+            Placement::Pin => "pin",
+            Placement::Scheduler => "scheduler",
+        })
+    }
+}
+
+/// Reason for the nodes `--placement=pin` did not pick although the pod fits there.
+pub const PINNED_ELSEWHERE: &str = "PMEM reserved on another node";
+
+/// A pod's pending PMEM demand.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Demand {
+    /// Entries to reserve, one per pending volume (claims already selected for a node are
+    /// already counted there and are left out).
+    pub entries: Vec<Entry>,
+    /// Sizes of all pending volumes, for the fit.
+    pub sizes: Vec<u64>,
+    /// The pod's own claims: their allocations are the demand, not someone else's usage.
+    pub own_claims: Vec<(String, String)>,
+}
+
+/// The answer of `/filter` and what to count about it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FilterOutcome {
+    /// `namespace/name` of the pod, for logs.
+    pub pod: String,
+    /// The answer.
+    pub result: ExtenderFilterResult,
+    /// How many nodes passed.
+    pub result_nodes: usize,
+    /// Rejected node counts by reason.
+    pub rejections: BTreeMap<String, u64>,
+    /// The reservation event, if any.
+    pub event: Option<ReservationEvent>,
+    /// Per-node numbers (free bytes before the pod, or the rejection), for debug logs only.
+    pub details: BTreeMap<String, String>,
+}
+
+/// The index and the book. Every update that moves bytes between them happens under the one
+/// lock that guards this value, so a filter never sees a volume twice or not at all.
+#[derive(Debug)]
+pub struct ExtenderState {
+    /// What is published and allocated.
+    pub index: CapacityIndex,
+    book: ReservationBook,
+}
+
+impl ExtenderState {
+    /// An empty state.
+    pub fn new(driver: &str, default_size: u64, ttl: Duration) -> Self {
+        Self {
+            index: CapacityIndex::new(driver, default_size),
+            book: ReservationBook::new(ttl),
+        }
+    }
+
+    /// Applies a claim; `true` when a reservation entry was handed over to `allocated`.
+    pub fn apply_claim(&mut self, claim: &PersistentVolumeClaim) -> bool {
+        let Some(node) = self.index.apply_claim(claim) else {
+            return false;
+        };
+        let (Some(namespace), Some(name)) = (&claim.metadata.namespace, &claim.metadata.name)
+        else {
+            return false;
+        };
+        self.book.claim_selected(namespace, name, &node).is_some()
+    }
+
+    /// Applies a pod; `true` when it was bound and its inline entries ended (the index counts
+    /// its inline volumes on the node from now on).
+    pub fn apply_pod(&mut self, pod: &Pod) -> bool {
+        let bound = self.index.apply_pod(pod);
+        match (bound, pod.metadata.uid.as_deref(), pod_node(pod)) {
+            (true, Some(uid), Some(node)) => !self.book.pod_bound(uid, node).is_empty(),
+            _ => false,
+        }
+    }
+
+    /// Removes a pod; `true` when it still held a reservation.
+    pub fn delete_pod(&mut self, uid: &str) -> bool {
+        self.index.delete_pod(uid);
+        self.book.pod_deleted(uid).is_some()
+    }
+
+    /// Ends expired reservations; returns the pods that held them.
+    pub fn expire(&mut self, now: Instant) -> Vec<String> {
+        self.book
+            .expire(now)
+            .into_iter()
+            .map(|r| r.pod_uid)
+            .collect()
+    }
+
+    /// Bytes reserved, summed over nodes.
+    pub fn reserved_bytes(&self) -> u64 {
+        self.book.total_reserved()
+    }
+
+    /// The pod's pending demand, from the index alone (no lookups on the request path).
+    pub fn demand(&self, pod: &Pod) -> Demand {
+        let namespace = pod.metadata.namespace.as_deref().unwrap_or_default();
+        let uid = pod.metadata.uid.as_deref().unwrap_or_default();
+        let facts = self.facts(pod, namespace);
+        let mut demand = Demand::default();
+        for volume in pod_volumes::pending_volumes(pod, namespace, self.index.driver(), &facts) {
+            let size = volume
+                .size
+                .filter(|s| *s > 0)
+                .unwrap_or(self.index.default_size());
+            demand.sizes.push(size);
+            let already_selected = match &volume.source {
+                VolumeSource::Claim(key) | VolumeSource::Ephemeral(key) => {
+                    demand
+                        .own_claims
+                        .push((key.namespace.clone(), key.name.clone()));
+                    self.index
+                        .claim(&key.namespace, &key.name)
+                        .is_some_and(|c| c.selected_node.is_some())
+                }
+                VolumeSource::Inline => false,
+            };
+            if already_selected {
+                continue;
+            }
+            let key = match volume.key(uid) {
+                DemandKey::Claim(key) => EntryKey::Claim {
+                    namespace: key.namespace,
+                    name: key.name,
+                },
+                DemandKey::Inline { pod_uid, volume } => EntryKey::Inline { pod_uid, volume },
+            };
+            demand.entries.push(Entry { key, size });
+        }
+        demand
+    }
+
+    fn facts(&self, pod: &Pod, namespace: &str) -> VolumeFacts {
+        let mut facts = VolumeFacts::default();
+        for key in pod_volumes::claims_to_look_up(pod, namespace) {
+            let found = self.index.claim(&key.namespace, &key.name).map(claim_facts);
+            facts.claims.insert(key, found);
+        }
+        let lookups = pod_volumes::classes_to_look_up(pod, namespace, &facts);
+        for name in lookups.names {
+            let found = self.index.class(&name).map(|c| ClassFacts {
+                provisioner: c.provisioner.clone(),
+                late_binding: c.binding_mode != "Immediate",
+            });
+            facts.classes.insert(name, found);
+        }
+        if lookups.default_class {
+            let default = self
+                .index
+                .classes()
+                .filter(|(_, c)| c.default)
+                .max_by(|(an, a), (bn, b)| a.created.cmp(&b.created).then_with(|| bn.cmp(an)))
+                .map(|(_, c)| ClassFacts {
+                    provisioner: c.provisioner.clone(),
+                    late_binding: c.binding_mode != "Immediate",
+                });
+            facts.default_class = Some(default);
+        }
+        facts
+    }
+
+    /// The fit inputs of `node` for a pod with `demand`; `None` when the node published no
+    /// capacity.
+    fn view(&self, node: &str, demand: &Demand, pod_uid: &str) -> Option<NodeView> {
+        let usage = self.index.usage(node, &demand.own_claims);
+        let published = usage.published?;
+        let (reserved, entries) = self.book.reserved_on(node, pod_uid);
+        let mut unreflected = usage.unreflected;
+        unreflected.extend(entries);
+        Some(NodeView {
+            pools: published.pools,
+            managed: published.managed.unwrap_or(u64::MAX),
+            allocated: usage.allocated,
+            reserved,
+            unreflected,
+            alignment: published.alignment,
+        })
+    }
+
+    /// Free bytes after placing the pod on `node`, or why it does not fit.
+    fn fit_on(&self, node: &str, demand: &Demand, pod_uid: &str) -> Result<u64, String> {
+        match self.view(node, demand, pod_uid) {
+            None => Err(fit::reason(&fit::Insufficient {
+                volumes: demand.sizes.len(),
+                bytes: demand
+                    .sizes
+                    .iter()
+                    .fold(0, |s: u64, v| s.saturating_add(*v)),
+            })),
+            Some(view) => fit::fit(&view, &demand.sizes)
+                .map(|f| f.free_after)
+                .map_err(|e| fit::reason(&e)),
+        }
+    }
+
+    /// `/filter`: which candidates the pod fits on, reserving per `placement`.
+    pub fn filter(
+        &mut self,
+        request: ExtenderRequest,
+        driverless: &dyn Fn(&str) -> bool,
+        placement: Placement,
+        policy: ScorePolicy,
+        now: Instant,
+    ) -> FilterOutcome {
+        let pod = format!(
+            "{}/{}",
+            request
+                .pod
+                .metadata
+                .namespace
+                .as_deref()
+                .unwrap_or_default(),
+            request.pod.metadata.name.as_deref().unwrap_or_default()
+        );
+        let uid = request.pod_uid.clone();
+        let demand = self.demand(&request.pod);
+        let mut outcome = FilterOutcome {
+            pod,
+            result: ExtenderFilterResult::default(),
+            result_nodes: 0,
+            rejections: BTreeMap::new(),
+            event: None,
+            details: BTreeMap::new(),
+        };
+        if demand.sizes.is_empty() {
+            // Filtered again without demand (its claims got bound meanwhile): nothing to hold.
+            self.book.pod_deleted(&uid);
+            outcome.result_nodes = request.candidates.len();
+            outcome.result = request.candidates.into_filter_result(|_| None);
+            outcome.event = Some(ReservationEvent::NoDemand);
+            return outcome;
+        }
+        let mut verdicts: BTreeMap<String, Result<u64, Rejection>> = BTreeMap::new();
+        for node in request.candidates.names() {
+            let verdict = if driverless(node) {
+                Err(Rejection::Resolvable(fit::NOT_RUNNING.to_string()))
+            } else {
+                self.fit_on(node, &demand, &uid)
+                    .map_err(Rejection::Unresolvable)
+            };
+            verdicts.insert(node.to_string(), verdict);
+        }
+        let fitting: Vec<(&str, Option<u64>)> = request
+            .candidates
+            .names()
+            .into_iter()
+            .filter_map(|n| match verdicts.get(n) {
+                Some(Ok(free)) => Some((n, Some(*free))),
+                _ => None,
+            })
+            .collect();
+        let chosen: Vec<String> = match placement {
+            Placement::Pin => score::best(policy, fitting.iter().copied())
+                .map(|n| vec![n.to_string()])
+                .unwrap_or_default(),
+            Placement::ReserveAll | Placement::Scheduler => {
+                fitting.iter().map(|(n, _)| n.to_string()).collect()
+            }
+        };
+        for (node, verdict) in &verdicts {
+            let detail = match verdict {
+                Ok(free) => format!("fits, {free} bytes free after"),
+                Err(Rejection::Resolvable(r) | Rejection::Unresolvable(r)) => r.clone(),
+            };
+            outcome.details.insert(node.clone(), detail);
+        }
+        if placement != Placement::Scheduler && !chosen.is_empty() {
+            self.book
+                .reserve(&uid, chosen.iter().cloned(), demand.entries.clone(), now);
+            outcome.event = Some(ReservationEvent::Reserved);
+        } else {
+            // A pod that fits nowhere (or is not reserved) holds nothing.
+            self.book.pod_deleted(&uid);
+        }
+        let result = request
+            .candidates
+            .into_filter_result(|node| match verdicts.get(node) {
+                Some(Ok(_)) if chosen.iter().any(|c| c == node) => None,
+                Some(Ok(_)) => Some(Rejection::Resolvable(PINNED_ELSEWHERE.to_string())),
+                Some(Err(rejection)) => Some(rejection.clone()),
+                None => Some(Rejection::Unresolvable(fit::NOT_RUNNING.to_string())),
+            });
+        for reason in result
+            .failed_nodes
+            .values()
+            .chain(result.failed_and_unresolvable_nodes.values())
+        {
+            *outcome.rejections.entry(reason.clone()).or_default() += 1;
+        }
+        outcome.result_nodes = chosen.len();
+        outcome.result = result;
+        outcome
+    }
+
+    /// `/prioritize`: 0–10 per candidate by free PMEM after placing the pod.
+    pub fn prioritize(&self, request: &ExtenderRequest, policy: ScorePolicy) -> HostPriorityList {
+        let demand = self.demand(&request.pod);
+        let frees: Vec<(&str, Option<u64>)> = request
+            .candidates
+            .names()
+            .into_iter()
+            .map(|n| (n, self.fit_on(n, &demand, &request.pod_uid).ok()))
+            .collect();
+        score::scores(policy, frees)
+    }
+
+    /// `/preempt`: keeps the candidates where the pod fits once its victims' inline volumes
+    /// are gone (claims outlive their pods, so only inline volumes free space).
+    pub fn preempt(&self, request: PreemptionRequest) -> ExtenderPreemptionResult {
+        let demand = self.demand(&request.pod);
+        let uid = request.pod_uid.clone();
+        request.into_result(|node, victims| {
+            let Some(mut view) = self.view(node, &demand, &uid) else {
+                return false;
+            };
+            let freed: Vec<u64> = victims
+                .pods
+                .iter()
+                .filter_map(|v| self.index.pod(&v.uid))
+                .filter(|p| p.node.as_deref() == Some(node) && !p.terminated)
+                .flat_map(|p| p.inline.iter().map(|(_, size)| *size))
+                .collect();
+            let freed_total = freed.iter().fold(0, |s: u64, v| s.saturating_add(*v));
+            view.allocated = view.allocated.saturating_sub(freed_total);
+            // Where a victim's volume was is unknown; each becomes a pool of its own.
+            view.pools.extend(freed);
+            fit::fit(&view, &demand.sizes).is_ok()
+        })
+    }
+}
+
+fn pod_node(pod: &Pod) -> Option<&str> {
+    pod.spec.as_ref()?.node_name.as_deref()
+}
+
+fn claim_facts(record: &ClaimRecord) -> ClaimFacts {
+    ClaimFacts {
+        bound: record.volume_name.is_some(),
+        storage_class: record.class.clone().filter(|c| !c.is_empty()),
+        provisioner_annotation: record.provisioner.clone(),
+        size: Some(record.request).filter(|s| *s > 0),
+    }
+}
