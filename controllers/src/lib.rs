@@ -2,6 +2,7 @@
 //! setup and, as they land, the reconcile framework and the controllers built on it.
 
 pub mod admin;
+pub mod bypass;
 pub mod capacity_cleanup;
 pub mod capacity_publisher;
 pub mod capacity_source;
