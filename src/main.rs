@@ -23,7 +23,7 @@ enum Mode {
     /// Per-node CSI driver (DaemonSet on every PMEM node).
     Node(NodeCommand),
     /// Cluster-level controllers (Deployment).
-    Controller(ControllerCommand),
+    Controller(Box<ControllerCommand>),
     /// Scheduler extender beside kube-scheduler (host-network DaemonSet on control-plane nodes).
     Extender(ExtenderCommand),
 }
@@ -39,11 +39,45 @@ struct NodeCommand {
 
 /// `pmem-csi controller`.
 #[derive(Args, Debug)]
+#[command(args_conflicts_with_subcommands = true)]
 struct ControllerCommand {
+    #[command(subcommand)]
+    action: Option<ControllerAction>,
     #[command(flatten)]
     common: Common,
     #[command(flatten)]
     controller: controllers::ControllerArgs,
+    #[command(flatten)]
+    webhook: webhooks::webhook::WebhookOptions,
+}
+
+/// One-shot actions of `pmem-csi controller`.
+#[derive(Subcommand, Debug)]
+enum ControllerAction {
+    /// Replace the self-signed webhook CA: the old one stays trusted until every replica serves
+    /// a certificate of the new one (run with the controller's kubeconfig or in-cluster).
+    RotateCa(RotateCaArgs),
+}
+
+/// Flags of `pmem-csi controller rotate-ca`.
+#[derive(Args, Debug)]
+struct RotateCaArgs {
+    /// CSI driver name (names the Secret by default).
+    #[arg(
+        long,
+        env = "PMEM_CSI_DRIVER_NAME",
+        default_value = "pmem-csi.intel.com"
+    )]
+    driver_name: String,
+    /// The driver's namespace.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "pmem-csi")]
+    namespace: String,
+    /// The Secret (default `<prefix>-controller-secret`).
+    #[arg(long)]
+    self_signed_secret: Option<String>,
+    /// Validity of the new CA.
+    #[arg(long, default_value = "87600h")]
+    self_signed_ca_validity: String,
 }
 
 /// `pmem-csi extender`.
@@ -159,10 +193,29 @@ async fn main() -> anyhow::Result<()> {
         let token = shutdown.clone();
         work.spawn(async move { node.serve(token).await.map_err(anyhow::Error::from) });
     }
+    if let Mode::Controller(c) = &cli.mode
+        && let Some(ControllerAction::RotateCa(args)) = &c.action
+    {
+        return rotate_ca(args).await;
+    }
     if let Mode::Controller(c) = &cli.mode {
         let config = c.controller.validate()?;
-        let process =
+        let webhook = c.webhook.validate(&config.driver_name)?;
+        let namespace = config.namespace.clone();
+        let mut process =
             controllers::ControllerProcess::start(config, &mut registry, &readiness).await?;
+        if let Some(webhook) = webhook {
+            start_webhook(
+                webhook,
+                &mut process,
+                &namespace,
+                &mut registry,
+                &readiness,
+                &mut work,
+                &shutdown,
+            )
+            .await?;
+        }
         let token = shutdown.clone();
         work.spawn(async move {
             process.run(token.clone()).await;
@@ -203,6 +256,141 @@ async fn main() -> anyhow::Result<()> {
         ended.context("server task")??;
     }
     Ok(())
+}
+
+/// Starts the pod webhook's certificate source and HTTPS server beside the controller's
+/// concerns.
+async fn start_webhook(
+    webhook: webhooks::webhook::WebhookConfig,
+    process: &mut controllers::ControllerProcess,
+    namespace: &str,
+    registry: &mut Registry,
+    readiness: &Readiness,
+    work: &mut tokio::task::JoinSet<anyhow::Result<()>>,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<()> {
+    use webhooks::webhook::CertificateSource;
+    let resolver = std::sync::Arc::new(webhooks::tls::CertResolver::new());
+    match &webhook.certificate {
+        CertificateSource::Files(files) => {
+            resolver
+                .load_files(files)
+                .context("loading the webhook certificate")?;
+            work.spawn(
+                resolver
+                    .clone()
+                    .watch_files(files.clone(), webhook.reload_interval, shutdown.clone())
+                    .map(Ok),
+            );
+        }
+        CertificateSource::SelfSigned(config) => {
+            let secret = webhooks::certificate_secret::CertificateSecret::new(
+                process.client(),
+                namespace,
+                config.clone(),
+            );
+            let keeper = secret.clone();
+            process.add_concern(
+                "webhook-certificate",
+                true,
+                Box::new(move |term| Box::pin(keeper.clone().keep(term))),
+            );
+            work.spawn(secret.follow(resolver.clone(), shutdown.clone()).map(Ok));
+        }
+    }
+    // Ready once a certificate is there to serve (followers wait for the leader's Secret).
+    let certificate = readiness.register("webhook-certificate");
+    let watched = resolver.clone();
+    let token = shutdown.clone();
+    work.spawn(async move {
+        while watched.current().is_none() {
+            tokio::select! {
+                _ = tokio::time::sleep(std::time::Duration::from_millis(200)) => {}
+                _ = token.cancelled() => return Ok(()),
+            }
+        }
+        certificate.set(true);
+        // Every task of `work` lives until shutdown; one ending early stops the process.
+        token.cancelled().await;
+        Ok(())
+    });
+    let server = webhooks::https::HttpsServer::bind(webhook.address)
+        .await
+        .context("binding the webhook address")?;
+    tracing::info!(address = %server.local_addr(), "pod webhook listening");
+    let router = webhooks::webhook::router(
+        process.client(),
+        process.stores(),
+        webhook.policy.clone(),
+        webhooks::webhook::WebhookMetrics::register(registry),
+    );
+    // Pods admitted while the webhook was unreachable: reported by the leader.
+    let relevance = webhooks::webhook::pod_relevance(process.stores(), webhook.policy.clone());
+    let (client, driver, reconciles) = (
+        process.client(),
+        webhook.policy.driver.clone(),
+        process.reconciles(),
+    );
+    let metrics = controllers::bypass::BypassMetrics::register(registry);
+    let reporter = kube::runtime::events::Reporter {
+        controller: "pmem-csi-controller".into(),
+        instance: std::env::var("POD_NAME").ok(),
+    };
+    process.add_concern(
+        "bypass",
+        true,
+        Box::new(move |term| {
+            Box::pin(
+                controllers::bypass::Bypass::new(
+                    client.clone(),
+                    driver.clone(),
+                    relevance.clone(),
+                    reporter.clone(),
+                    metrics.clone(),
+                    reconciles.clone(),
+                )
+                .run(term),
+            )
+        }),
+    );
+    let token = shutdown.clone();
+    work.spawn(async move {
+        webhooks::webhook::serve(server, router, resolver, token)
+            .await
+            .context("serving the webhook")
+    });
+    Ok(())
+}
+
+/// `pmem-csi controller rotate-ca`.
+async fn rotate_ca(args: &RotateCaArgs) -> anyhow::Result<()> {
+    let validity = controllers::duration::parse_duration(&args.self_signed_ca_validity)
+        .map_err(|e| anyhow::anyhow!("--self-signed-ca-validity: {e}"))?;
+    let prefix = webhooks::webhook::name_prefix(&args.driver_name);
+    let config = webhooks::webhook::SelfSignedConfig {
+        secret: args
+            .self_signed_secret
+            .clone()
+            .unwrap_or_else(|| format!("{prefix}-controller-secret")),
+        service: format!("{prefix}-webhook"),
+        configuration: format!("{prefix}-hook"),
+        sans: Vec::new(),
+        leaf_validity: validity,
+        ca_validity: validity,
+    };
+    let client = kube::Client::try_default()
+        .await
+        .context("connecting to the apiserver")?;
+    webhooks::certificate_secret::CertificateSecret::new(client, &args.namespace, config)
+        .rotate_ca(time_now())
+        .await
+        .context("rotating the CA")?;
+    println!("rotated; the controller leader re-issues the serving certificate next");
+    Ok(())
+}
+
+fn time_now() -> webhooks::OffsetDateTime {
+    webhooks::OffsetDateTime::now_utc()
 }
 
 async fn wait_for_termination() -> anyhow::Result<()> {

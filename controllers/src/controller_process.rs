@@ -5,6 +5,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use futures::StreamExt;
+use futures::future::BoxFuture;
 use tokio::sync::mpsc;
 
 use k8s_openapi::api::coordination::v1::Lease;
@@ -170,8 +171,13 @@ pub enum ControllerProcessError {
     Client(#[from] kube::Error),
 }
 
+/// Starts one run of a concern that another crate adds, given the token that ends it (on
+/// shutdown, or when this instance stops leading).
+pub type ConcernStart = Box<dyn Fn(CancellationToken) -> BoxFuture<'static, ()> + Send + Sync>;
+
 /// The controller process: caches started, concerns ready to run.
 pub struct ControllerProcess {
+    extra: Vec<(String, bool, ConcernStart)>,
     config: ControllerConfig,
     client: kube::Client,
     stores: Stores,
@@ -221,6 +227,7 @@ impl ControllerProcess {
             ),
         };
         Ok(Self {
+            extra: Vec::new(),
             config,
             client,
             stores,
@@ -231,6 +238,33 @@ impl ControllerProcess {
             reconciles: ReconcileMetrics::register(registry),
             leader_metrics: LeaderMetrics::register(registry),
         })
+    }
+
+    /// The process's client (rate-limited as configured).
+    pub fn client(&self) -> kube::Client {
+        self.client.clone()
+    }
+
+    /// The shared caches (filled once [`Self::run`] has waited for them).
+    pub fn stores(&self) -> Stores {
+        self.stores.clone()
+    }
+
+    /// The process's reconcile metrics (registered once; concerns added from outside share them).
+    pub fn reconciles(&self) -> ReconcileMetrics {
+        self.reconciles.clone()
+    }
+
+    /// The validated configuration.
+    pub fn config(&self) -> &ControllerConfig {
+        &self.config
+    }
+
+    /// Adds a concern hosted like the built-in ones: with `leader_only`, it runs only while this
+    /// instance holds the Lease `<driver>-<name>` (always, without leader election); otherwise
+    /// it runs on every replica. `start` is called again after each regained leadership.
+    pub fn add_concern(&mut self, name: &str, leader_only: bool, start: ConcernStart) {
+        self.extra.push((name.to_string(), leader_only, start));
     }
 
     /// Runs every concern until `shutdown`.
@@ -289,6 +323,20 @@ impl ControllerProcess {
             }
         };
         let mut elections = JoinSet::new();
+        for (name, leader_only, start) in std::mem::take(&mut self.extra) {
+            if leader_only {
+                let rx = leading(&name, &mut elections);
+                self.tasks.spawn(crate::leader::while_leading(
+                    rx,
+                    shutdown.clone(),
+                    // The closure owns `start`: the task outlives this loop.
+                    #[allow(clippy::redundant_closure)]
+                    move |term| start(term),
+                ));
+            } else {
+                self.tasks.spawn(start(shutdown.clone()));
+            }
+        }
         let cleanup_leading = leading("capacity-cleanup", &mut elections);
         let rescheduler_leading = leading("rescheduler", &mut elections);
         let (client, stores, cleanup_liveness, reconciles) = (

@@ -4,6 +4,7 @@
 //! No containers, no kubelet.
 
 pub mod control_plane;
+pub mod http_client;
 pub mod kubeconfig;
 pub mod leftovers;
 pub mod node_driver;
@@ -520,6 +521,26 @@ impl TestEnv {
             tracing::warn!(dir = %self.dir.path().display(), "removing the work directory: {e}");
         }
         leftovers
+    }
+}
+
+impl Drop for TestEnv {
+    fn drop(&mut self) {
+        // A failing test drops the testenv without `stop`; its logs are what explains the
+        // failure, so they are kept and their place printed.
+        if std::thread::panicking() {
+            let logs = self.dir.path().join("logs");
+            let kept = std::env::temp_dir().join(format!(
+                "pmem-csi-failed-{}-{}",
+                std::process::id(),
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis())
+            ));
+            if std::fs::rename(&logs, &kept).is_ok() {
+                eprintln!("testenv logs kept in {}", kept.display());
+            }
+        }
     }
 }
 

@@ -292,6 +292,60 @@ pub async fn failed_scheduling(
     Ok(events.items.into_iter().filter_map(|e| e.message).collect())
 }
 
+/// A MutatingWebhookConfiguration `name` for pod CREATE, one webhook per `(name, url)`, with
+/// the opt-out label excluded by namespace and object selectors as the manifests do, and no
+/// `caBundle` (the controller injects it).
+pub fn pod_webhook_configuration(
+    name: &str,
+    webhooks: &[(&str, String)],
+    failure_policy: &str,
+) -> k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration {
+    use k8s_openapi::api::admissionregistration::v1::{
+        MutatingWebhook, MutatingWebhookConfiguration, RuleWithOperations, WebhookClientConfig,
+    };
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
+    let opt_out = LabelSelector {
+        match_expressions: Some(vec![LabelSelectorRequirement {
+            key: "pmem-csi.intel.com/webhook".into(),
+            operator: "NotIn".into(),
+            values: Some(vec!["ignore".into()]),
+        }]),
+        ..Default::default()
+    };
+    MutatingWebhookConfiguration {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            ..Default::default()
+        },
+        webhooks: Some(
+            webhooks
+                .iter()
+                .map(|(webhook, url)| MutatingWebhook {
+                    name: (*webhook).into(),
+                    admission_review_versions: vec!["v1".into()],
+                    client_config: WebhookClientConfig {
+                        url: Some(url.clone()),
+                        ..Default::default()
+                    },
+                    failure_policy: Some(failure_policy.into()),
+                    namespace_selector: Some(opt_out.clone()),
+                    object_selector: Some(opt_out.clone()),
+                    rules: Some(vec![RuleWithOperations {
+                        api_groups: Some(vec!["".into()]),
+                        api_versions: Some(vec!["v1".into()]),
+                        operations: Some(vec!["CREATE".into()]),
+                        resources: Some(vec!["pods".into()]),
+                        scope: Some("Namespaced".into()),
+                    }]),
+                    side_effects: "None".into(),
+                    timeout_seconds: Some(5),
+                    ..Default::default()
+                })
+                .collect(),
+        ),
+    }
+}
+
 /// Waits until object `name` no longer exists.
 pub async fn wait_gone<K>(api: &Api<K>, name: &str, timeout: Duration) -> Result<(), Timeout>
 where

@@ -7,6 +7,7 @@
 
 pub mod admission;
 pub mod capacity_index;
+pub mod certificate_secret;
 pub mod extender;
 pub mod extender_api;
 pub mod extender_metrics;
@@ -19,3 +20,7 @@ pub mod reservation_book;
 pub mod score;
 pub mod self_signed;
 pub mod tls;
+pub mod webhook;
+
+/// Time as the certificate functions take it.
+pub use time::OffsetDateTime;

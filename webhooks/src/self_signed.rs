@@ -304,8 +304,11 @@ pub fn leaf_due(
     not_after: OffsetDateTime,
     now: OffsetDateTime,
 ) -> bool {
-    let life = not_after - not_before;
-    now < not_before || now >= not_before + life * 2 / 3
+    // Our certificates are backdated against clock skew; their life counts from issuance, or
+    // a short-lived leaf would expire before 2/3 of the backdated span had passed.
+    let issued = (not_before + BACKDATE).min(not_after);
+    let life = not_after - issued;
+    now < not_before || now >= issued + life * 2 / 3
 }
 
 /// What [`judge_leaf`] knows about the serving certificate in the Secret.
@@ -482,8 +485,8 @@ mod tests {
 
     #[test]
     fn leaf_due_table() {
-        // 90 days from day 0: due from day 60 on.
-        let (nb, na) = (at(0), at(90));
+        // Issued on day 0 (backdated), 90 days: due from day 60 on.
+        let (nb, na) = (at(0) - BACKDATE, at(90));
         for (name, now, want) in [
             ("just issued", at(0), false),
             ("half way", at(45), false),
@@ -495,6 +498,10 @@ mod tests {
         ] {
             assert_eq!(leaf_due(nb, na, now), want, "{name}");
         }
+        // A 60 s leaf is due after 40 s, long before it expires.
+        let (nb, na) = (at(0) - BACKDATE, at(0) + Duration::seconds(60));
+        assert!(!leaf_due(nb, na, at(0) + Duration::seconds(39)));
+        assert!(leaf_due(nb, na, at(0) + Duration::seconds(40)));
     }
 
     #[test]

@@ -1,0 +1,674 @@
+//! The pod mutating webhook of `pmem-csi controller`: its flags, the HTTPS server on
+//! `/pod/mutate`, and the lookups the decision needs (shared caches first, then one GET per
+//! miss). The decision itself is [`crate::mutation::decide`].
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use k8s_openapi::api::core::v1::PersistentVolumeClaim;
+use k8s_openapi::api::storage::v1::StorageClass;
+use kube::Api;
+use kube::runtime::reflector::ObjectRef;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+use tokio_util::sync::CancellationToken;
+
+use controllers::duration::parse_duration;
+use controllers::stores::Stores;
+
+use crate::admission;
+use crate::https::HttpsServer;
+use crate::mutation::{self, Decision, WebhookPolicy};
+use crate::pod_volumes::{self, ClaimFacts, ClassFacts, VolumeFacts};
+use crate::tls::{CertFiles, CertResolver};
+
+/// The apiserver's own request limit; a review is never larger.
+pub const BODY_LIMIT: usize = 3 << 20;
+/// The route, also the `webhook` label of controller-runtime's metrics.
+pub const ROUTE: &str = "/pod/mutate";
+/// Budget of one GET for an object missing from the caches; the apiserver waits for us.
+const LOOKUP_BUDGET: Duration = Duration::from_secs(2);
+
+/// Webhook flags of `pmem-csi controller` (the scheduler-extender component sets them).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct WebhookOptions {
+    /// HTTPS address of the pod mutating webhook (`/pod/mutate`); without it no webhook runs
+    /// and none of the other webhook flags may be given.
+    #[arg(long)]
+    pub webhook_address: Option<SocketAddr>,
+
+    /// Pods of these schedulers are mutated (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    pub scheduler_names: Vec<String>,
+
+    /// Serving certificate (PEM), reloaded when the file changes.
+    #[arg(long)]
+    pub tls_cert_file: Option<PathBuf>,
+
+    /// Its private key (PEM), reloaded with it.
+    #[arg(long)]
+    pub tls_key_file: Option<PathBuf>,
+
+    /// Keep an own CA and serving certificate in a Secret (written by the leader, read by
+    /// every replica) and inject the CA into the MutatingWebhookConfiguration.
+    #[arg(long)]
+    pub self_signed: bool,
+
+    /// Extra DNS names or IP addresses of the self-signed serving certificate (repeatable).
+    #[arg(long)]
+    pub self_signed_san: Vec<String>,
+
+    /// The Secret holding the self-signed CA and certificate (default `<prefix>-controller-secret`,
+    /// `<prefix>` being the driver name with dots replaced by dashes).
+    #[arg(long)]
+    pub self_signed_secret: Option<String>,
+
+    /// The webhook's Service, whose names the certificate covers (default `<prefix>-webhook`).
+    #[arg(long)]
+    pub webhook_service: Option<String>,
+
+    /// The MutatingWebhookConfiguration that gets the CA (default `<prefix>-hook`).
+    #[arg(long)]
+    pub webhook_configuration: Option<String>,
+
+    /// Validity of self-signed serving certificates; re-issued at 2/3 (tests shorten it).
+    #[arg(long, default_value = "2160h", hide = true)]
+    pub self_signed_leaf_validity: String,
+
+    /// Validity of the self-signed CA (tests shorten it).
+    #[arg(long, default_value = "87600h", hide = true)]
+    pub self_signed_ca_validity: String,
+
+    /// How often certificate files are checked for changes.
+    #[arg(long, default_value = "1s", hide = true)]
+    pub tls_reload_interval: String,
+}
+
+/// Where the serving certificate comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CertificateSource {
+    /// `--tls-cert-file` / `--tls-key-file`.
+    Files(CertFiles),
+    /// `--self-signed`.
+    SelfSigned(SelfSignedConfig),
+}
+
+/// Settings of `--self-signed`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SelfSignedConfig {
+    /// Secret name (in the driver namespace).
+    pub secret: String,
+    /// Service name the certificate is for.
+    pub service: String,
+    /// MutatingWebhookConfiguration name.
+    pub configuration: String,
+    /// Extra names.
+    pub sans: Vec<String>,
+    /// Leaf validity.
+    pub leaf_validity: Duration,
+    /// CA validity.
+    pub ca_validity: Duration,
+}
+
+/// Validated webhook configuration.
+#[derive(Clone, Debug)]
+pub struct WebhookConfig {
+    /// HTTPS address.
+    pub address: SocketAddr,
+    /// Mutation policy (driver, scheduler names).
+    pub policy: WebhookPolicy,
+    /// Certificate source.
+    pub certificate: CertificateSource,
+    /// Certificate file polling interval.
+    pub reload_interval: Duration,
+}
+
+/// A webhook flag that does not validate.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("--{flag}: {reason}")]
+pub struct WebhookConfigError {
+    /// The flag.
+    pub flag: &'static str,
+    /// Why.
+    pub reason: String,
+}
+
+/// The prefix PMEM-CSI derives object names from: the driver name, dots replaced by dashes.
+pub fn name_prefix(driver: &str) -> String {
+    driver.replace('.', "-")
+}
+
+impl WebhookOptions {
+    /// Validates the flags for `driver`; `None` when the webhook is not enabled.
+    pub fn validate(&self, driver: &str) -> Result<Option<WebhookConfig>, WebhookConfigError> {
+        let err = |flag, reason: &str| WebhookConfigError {
+            flag,
+            reason: reason.to_string(),
+        };
+        let Some(address) = self.webhook_address else {
+            let given = [
+                ("scheduler-names", !self.scheduler_names.is_empty()),
+                ("tls-cert-file", self.tls_cert_file.is_some()),
+                ("tls-key-file", self.tls_key_file.is_some()),
+                ("self-signed", self.self_signed),
+                ("self-signed-san", !self.self_signed_san.is_empty()),
+                ("self-signed-secret", self.self_signed_secret.is_some()),
+                ("webhook-service", self.webhook_service.is_some()),
+                (
+                    "webhook-configuration",
+                    self.webhook_configuration.is_some(),
+                ),
+            ];
+            if let Some((flag, _)) = given.iter().find(|(_, set)| *set) {
+                return Err(err(flag, "needs --webhook-address"));
+            }
+            return Ok(None);
+        };
+        let prefix = name_prefix(driver);
+        let certificate = match (&self.tls_cert_file, &self.tls_key_file, self.self_signed) {
+            (Some(cert), Some(key), false) => CertificateSource::Files(CertFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+            }),
+            (None, None, true) => {
+                let duration = |flag, text: &str| {
+                    parse_duration(text)
+                        .map_err(|e| err(flag, &e))
+                        .and_then(|d| {
+                            if d.is_zero() {
+                                Err(err(flag, "must be above zero"))
+                            } else {
+                                Ok(d)
+                            }
+                        })
+                };
+                let leaf_validity =
+                    duration("self-signed-leaf-validity", &self.self_signed_leaf_validity)?;
+                let ca_validity =
+                    duration("self-signed-ca-validity", &self.self_signed_ca_validity)?;
+                if ca_validity < leaf_validity {
+                    return Err(err(
+                        "self-signed-ca-validity",
+                        "must not be shorter than --self-signed-leaf-validity",
+                    ));
+                }
+                CertificateSource::SelfSigned(SelfSignedConfig {
+                    secret: self
+                        .self_signed_secret
+                        .clone()
+                        .unwrap_or_else(|| format!("{prefix}-controller-secret")),
+                    service: self
+                        .webhook_service
+                        .clone()
+                        .unwrap_or_else(|| format!("{prefix}-webhook")),
+                    configuration: self
+                        .webhook_configuration
+                        .clone()
+                        .unwrap_or_else(|| format!("{prefix}-hook")),
+                    sans: self.self_signed_san.clone(),
+                    leaf_validity,
+                    ca_validity,
+                })
+            }
+            (_, _, true) => {
+                return Err(err(
+                    "self-signed",
+                    "excludes --tls-cert-file and --tls-key-file",
+                ));
+            }
+            (Some(_), None, false) => {
+                return Err(err("tls-key-file", "required with --tls-cert-file"));
+            }
+            (None, Some(_), false) => {
+                return Err(err("tls-cert-file", "required with --tls-key-file"));
+            }
+            (None, None, false) => {
+                return Err(err(
+                    "webhook-address",
+                    "needs a certificate: --tls-cert-file and --tls-key-file, or --self-signed",
+                ));
+            }
+        };
+        if !self.self_signed {
+            for (flag, set) in [
+                ("self-signed-san", !self.self_signed_san.is_empty()),
+                ("self-signed-secret", self.self_signed_secret.is_some()),
+                (
+                    "webhook-configuration",
+                    self.webhook_configuration.is_some(),
+                ),
+                ("webhook-service", self.webhook_service.is_some()),
+            ] {
+                if set {
+                    return Err(err(flag, "only applies with --self-signed"));
+                }
+            }
+        }
+        let reload_interval = parse_duration(&self.tls_reload_interval)
+            .map_err(|e| err("tls-reload-interval", &e))?;
+        let scheduler_names = if self.scheduler_names.is_empty() {
+            vec![mutation::DEFAULT_SCHEDULER.to_string()]
+        } else {
+            self.scheduler_names.clone()
+        };
+        if scheduler_names.iter().any(|n| n.trim().is_empty()) {
+            return Err(err("scheduler-names", "names must not be empty"));
+        }
+        Ok(Some(WebhookConfig {
+            address,
+            policy: WebhookPolicy {
+                driver: driver.to_string(),
+                scheduler_names,
+            },
+            certificate,
+            reload_interval,
+        }))
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WebhookCode {
+    webhook: String,
+    code: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WebhookLabel {
+    webhook: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Lookup {
+    kind: String,
+    source: String,
+}
+
+/// The webhook's metrics: controller-runtime's request counter and latency, and where lookups
+/// were answered from.
+#[derive(Clone, Debug)]
+pub struct WebhookMetrics {
+    requests: Family<WebhookCode, Counter>,
+    latency: Family<WebhookLabel, Histogram>,
+    lookups: Family<Lookup, Counter>,
+}
+
+impl WebhookMetrics {
+    /// Registers the families in `registry`.
+    pub fn register(registry: &mut Registry) -> Self {
+        let m = Self {
+            requests: Family::default(),
+            latency: Family::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.0001, 2.0, 16))
+            }),
+            lookups: Family::default(),
+        };
+        registry.register(
+            "controller_runtime_webhook_requests",
+            "Total number of admission requests by HTTP status code",
+            m.requests.clone(),
+        );
+        registry.register(
+            "controller_runtime_webhook_latency_seconds",
+            "Histogram of the latency of processing admission requests",
+            m.latency.clone(),
+        );
+        registry.register(
+            "pmem_csi_webhook_lookups",
+            "Claim and class lookups of the webhook by where they were answered",
+            m.lookups.clone(),
+        );
+        m
+    }
+
+    fn request(&self, code: u16, took: Duration) {
+        self.requests
+            .get_or_create(&WebhookCode {
+                webhook: ROUTE.into(),
+                code: code.to_string(),
+            })
+            .inc();
+        self.latency
+            .get_or_create(&WebhookLabel {
+                webhook: ROUTE.into(),
+            })
+            .observe(took.as_secs_f64());
+    }
+
+    fn lookup(&self, kind: &str, source: &str) {
+        self.lookups
+            .get_or_create(&Lookup {
+                kind: kind.into(),
+                source: source.into(),
+            })
+            .inc();
+    }
+}
+
+/// What the handler shares.
+#[derive(Clone)]
+struct Shared {
+    client: kube::Client,
+    stores: Stores,
+    policy: Arc<WebhookPolicy>,
+    metrics: WebhookMetrics,
+}
+
+/// The webhook's routes over the shared caches.
+pub fn router(
+    client: kube::Client,
+    stores: Stores,
+    policy: WebhookPolicy,
+    metrics: WebhookMetrics,
+) -> Router {
+    Router::new()
+        .route(ROUTE, post(mutate))
+        .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .with_state(Shared {
+            client,
+            stores,
+            policy: Arc::new(policy),
+            metrics,
+        })
+}
+
+/// Serves `router` over HTTPS with certificates from `resolver` until `shutdown`.
+pub async fn serve(
+    server: HttpsServer,
+    router: Router,
+    resolver: Arc<CertResolver>,
+    shutdown: CancellationToken,
+) -> Result<(), crate::tls::TlsError> {
+    let config = crate::tls::server_config(resolver)?;
+    server.serve(router, config, shutdown).await;
+    Ok(())
+}
+
+async fn mutate(State(shared): State<Shared>, body: Bytes) -> Response {
+    let started = Instant::now();
+    let response = match admission::decode_review(&body) {
+        Err(e) => (StatusCode::BAD_REQUEST, e.http_body()).into_response(),
+        Ok(request) => {
+            let decision = decide(&shared, &request).await;
+            let patch = match &decision {
+                Decision::Patch(_) => decision.patch_document(),
+                Decision::Unchanged(reason) => {
+                    tracing::debug!(uid = %request.uid, reason = reason.as_str(), "pod unchanged");
+                    None
+                }
+            };
+            (
+                StatusCode::OK,
+                [(axum::http::header::CONTENT_TYPE, "application/json")],
+                admission::allow_response(&request.uid, patch.as_deref()),
+            )
+                .into_response()
+        }
+    };
+    shared
+        .metrics
+        .request(response.status().as_u16(), started.elapsed());
+    response
+}
+
+async fn decide(shared: &Shared, request: &admission::AdmissionRequest) -> Decision {
+    let Some(pod) = &request.object else {
+        return Decision::Unchanged(mutation::Unchanged::NotCreate);
+    };
+    if let Some(reason) = mutation::screen(pod, request.operation, &shared.policy) {
+        return Decision::Unchanged(reason);
+    }
+    let namespace = mutation::pod_namespace(pod, &request.namespace).to_string();
+    let mut facts = VolumeFacts::default();
+    for key in pod_volumes::claims_to_look_up(pod, &namespace) {
+        let found = lookup_claim(shared, &key.namespace, &key.name).await;
+        facts.claims.insert(key, found);
+    }
+    let lookups = pod_volumes::classes_to_look_up(pod, &namespace, &facts);
+    for name in lookups.names {
+        let found = lookup_class(shared, &name).await;
+        facts.classes.insert(name, found);
+    }
+    if lookups.default_class {
+        let classes = shared.stores.classes.state();
+        facts.default_class = Some(
+            pod_volumes::default_class(classes.iter().map(|c| c.as_ref())).map(ClassFacts::from),
+        );
+    }
+    mutation::decide(
+        pod,
+        request.operation,
+        &request.namespace,
+        &shared.policy,
+        &facts,
+    )
+}
+
+async fn lookup_claim(shared: &Shared, namespace: &str, name: &str) -> Option<ClaimFacts> {
+    let cached = shared
+        .stores
+        .claims
+        .get(&ObjectRef::<PersistentVolumeClaim>::new(name).within(namespace));
+    if let Some(claim) = cached {
+        shared.metrics.lookup("claim", "cache");
+        return Some(ClaimFacts::from(claim.as_ref()));
+    }
+    // A claim created right before its pod may not have reached the cache yet.
+    let api = Api::<PersistentVolumeClaim>::namespaced(shared.client.clone(), namespace);
+    match tokio::time::timeout(LOOKUP_BUDGET, api.get_opt(name)).await {
+        Ok(Ok(Some(claim))) => {
+            shared.metrics.lookup("claim", "api");
+            Some(ClaimFacts::from(&claim))
+        }
+        Ok(Ok(None)) => {
+            shared.metrics.lookup("claim", "missing");
+            None
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(namespace, name, "looking up claim: {e}");
+            shared.metrics.lookup("claim", "error");
+            None
+        }
+        Err(_) => {
+            tracing::warn!(namespace, name, "looking up claim timed out");
+            shared.metrics.lookup("claim", "error");
+            None
+        }
+    }
+}
+
+async fn lookup_class(shared: &Shared, name: &str) -> Option<ClassFacts> {
+    if let Some(class) = shared
+        .stores
+        .classes
+        .get(&ObjectRef::<StorageClass>::new(name))
+    {
+        shared.metrics.lookup("class", "cache");
+        return Some(ClassFacts::from(class.as_ref()));
+    }
+    let api = Api::<StorageClass>::all(shared.client.clone());
+    match tokio::time::timeout(LOOKUP_BUDGET, api.get_opt(name)).await {
+        Ok(Ok(Some(class))) => {
+            shared.metrics.lookup("class", "api");
+            Some(ClassFacts::from(&class))
+        }
+        Ok(Ok(None)) => {
+            shared.metrics.lookup("class", "missing");
+            None
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(name, "looking up class: {e}");
+            shared.metrics.lookup("class", "error");
+            None
+        }
+        Err(_) => {
+            tracing::warn!(name, "looking up class timed out");
+            shared.metrics.lookup("class", "error");
+            None
+        }
+    }
+}
+
+/// The webhook's relevance rule from the caches alone (a miss counts as not found), for the
+/// bypass reconciler: would the webhook have marked this pod?
+pub fn pod_relevance(stores: Stores, policy: WebhookPolicy) -> controllers::bypass::PodRelevance {
+    Arc::new(move |pod| {
+        if mutation::screen(pod, admission::Operation::Create, &policy).is_some() {
+            return false;
+        }
+        let namespace = pod.metadata.namespace.clone().unwrap_or_default();
+        let mut facts = VolumeFacts::default();
+        for key in pod_volumes::claims_to_look_up(pod, &namespace) {
+            let found = stores
+                .claims
+                .get(&ObjectRef::<PersistentVolumeClaim>::new(&key.name).within(&key.namespace))
+                .map(|c| ClaimFacts::from(c.as_ref()));
+            facts.claims.insert(key, found);
+        }
+        let lookups = pod_volumes::classes_to_look_up(pod, &namespace, &facts);
+        for name in lookups.names {
+            let found = stores
+                .classes
+                .get(&ObjectRef::<StorageClass>::new(&name))
+                .map(|c| ClassFacts::from(c.as_ref()));
+            facts.classes.insert(name, found);
+        }
+        if lookups.default_class {
+            let classes = stores.classes.state();
+            facts.default_class = Some(
+                pod_volumes::default_class(classes.iter().map(|c| c.as_ref()))
+                    .map(ClassFacts::from),
+            );
+        }
+        !pod_volumes::pending_volumes(pod, &namespace, &policy.driver, &facts).is_empty()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn files() -> WebhookOptions {
+        WebhookOptions {
+            webhook_address: Some(SocketAddr::from(([127, 0, 0, 1], 8443))),
+            tls_cert_file: Some("/c".into()),
+            tls_key_file: Some("/k".into()),
+            self_signed_leaf_validity: "2160h".into(),
+            self_signed_ca_validity: "87600h".into(),
+            tls_reload_interval: "1s".into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn validate_table() {
+        type Edit = fn(&mut WebhookOptions);
+        let cases: [(&str, Edit, Option<&str>); 10] = [
+            ("files", |_| {}, None),
+            (
+                "self-signed",
+                |o| {
+                    o.tls_cert_file = None;
+                    o.tls_key_file = None;
+                    o.self_signed = true;
+                },
+                None,
+            ),
+            (
+                "no address, no flags",
+                |o| {
+                    o.webhook_address = None;
+                    o.tls_cert_file = None;
+                    o.tls_key_file = None;
+                },
+                None,
+            ),
+            (
+                "cert without address",
+                |o| o.webhook_address = None,
+                Some("tls-cert-file"),
+            ),
+            (
+                "key missing",
+                |o| o.tls_key_file = None,
+                Some("tls-key-file"),
+            ),
+            (
+                "no certificate",
+                |o| {
+                    o.tls_cert_file = None;
+                    o.tls_key_file = None;
+                },
+                Some("webhook-address"),
+            ),
+            (
+                "both sources",
+                |o| o.self_signed = true,
+                Some("self-signed"),
+            ),
+            (
+                "san without self-signed",
+                |o| o.self_signed_san = vec!["x".into()],
+                Some("self-signed-san"),
+            ),
+            (
+                "empty scheduler name",
+                |o| o.scheduler_names = vec![" ".into()],
+                Some("scheduler-names"),
+            ),
+            (
+                "ca shorter than leaf",
+                |o| {
+                    o.tls_cert_file = None;
+                    o.tls_key_file = None;
+                    o.self_signed = true;
+                    o.self_signed_ca_validity = "1h".into();
+                },
+                Some("self-signed-ca-validity"),
+            ),
+        ];
+        for (name, edit, flag) in cases {
+            let mut o = files();
+            edit(&mut o);
+            match (o.validate("pmem-csi.intel.com"), flag) {
+                (Ok(_), None) => {}
+                (Err(e), Some(flag)) => assert_eq!(e.flag, flag, "{name}"),
+                (got, want) => panic!("{name}: got {got:?}, want error on {want:?}"),
+            }
+        }
+        let mut o = files();
+        o.tls_cert_file = None;
+        o.tls_key_file = None;
+        o.self_signed = true;
+        let config = o
+            .validate("pmem-csi.intel.com")
+            .expect("valid")
+            .expect("enabled");
+        assert_eq!(config.policy.scheduler_names, ["default-scheduler"]);
+        match config.certificate {
+            CertificateSource::SelfSigned(s) => assert_eq!(
+                (
+                    s.secret.as_str(),
+                    s.service.as_str(),
+                    s.configuration.as_str()
+                ),
+                (
+                    "pmem-csi-intel-com-controller-secret",
+                    "pmem-csi-intel-com-webhook",
+                    "pmem-csi-intel-com-hook"
+                )
+            ),
+            other => panic!("{other:?}"),
+        }
+    }
+}
