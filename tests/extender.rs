@@ -490,6 +490,77 @@ async fn pin() {
     );
 }
 
+/// Every recorded bad body of every route gets a 4xx with a message; fixed-seed mutations of
+/// the good bodies get 200 or a 4xx, never a 5xx or a dropped connection; the extender stays
+/// healthy.
+async fn bad_input(env: &TestEnv) {
+    let (route, _) = env.extender_addresses().expect("extender");
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("testdata/extender");
+    for path in ["filter", "prioritize", "preempt"] {
+        let mut cases = 0;
+        for entry in std::fs::read_dir(root.join("bad").join(path)).expect("bad cases") {
+            let file = entry.expect("entry").path();
+            let body = std::fs::read(&file).expect("read");
+            let reply = testenv::http_client::http(route, "POST", &format!("/{path}"), &body)
+                .await
+                .unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+            assert!(
+                (400..500).contains(&reply.status) && !reply.body.trim().is_empty(),
+                "{}: {} {:?}",
+                file.display(),
+                reply.status,
+                reply.body
+            );
+            cases += 1;
+        }
+        assert!(cases >= 50, "{path}: {cases} cases");
+        let over_limit = vec![b' '; (64 << 20) + 1];
+        let reply = testenv::http_client::http(route, "POST", &format!("/{path}"), &over_limit)
+            .await
+            .expect("over-limit body");
+        assert_eq!(reply.status, 413, "{path}");
+    }
+    let good = |name: &str| std::fs::read(root.join("good").join(name)).expect("good sample");
+    for (path, samples) in [
+        (
+            "filter",
+            vec![good("filter-nodenames.json"), good("filter-nodes.json")],
+        ),
+        ("prioritize", vec![good("prioritize.json")]),
+        (
+            "preempt",
+            vec![good("preempt.json"), good("preempt-full-victims.json")],
+        ),
+    ] {
+        for sample in &samples {
+            let reply = testenv::http_client::http(route, "POST", &format!("/{path}"), sample)
+                .await
+                .expect("good sample");
+            assert_eq!(reply.status, 200, "{path}: {}", reply.body);
+        }
+        for (i, body) in testenv::mutations::mutations(&samples, 200, 11)
+            .iter()
+            .enumerate()
+        {
+            let reply = testenv::http_client::http(route, "POST", &format!("/{path}"), body)
+                .await
+                .unwrap_or_else(|e| panic!("{path} mutation {i}: {e}"));
+            assert!(
+                reply.status == 200
+                    || ((400..500).contains(&reply.status) && !reply.body.is_empty()),
+                "{path} mutation {i}: {} {:?}\n{}",
+                reply.status,
+                reply.body,
+                String::from_utf8_lossy(body)
+            );
+        }
+    }
+    let status = testenv::http_client::http(route, "GET", "/status", b"")
+        .await
+        .expect("status");
+    assert_eq!((status.status, status.body.as_str()), (200, "ok"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scheduler_placement_and_least_free_score() {
     let (env, client) = start(&["--placement=scheduler", "--score=least-free"]).await;
@@ -529,6 +600,7 @@ async fn scheduler_placement_and_least_free_score() {
         .await
             >= 1
     );
+    bad_input(&env).await;
     let leftovers = env.stop().await;
     assert_eq!(
         leftovers.wait_clean(Duration::from_secs(10)).await,

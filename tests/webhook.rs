@@ -354,6 +354,26 @@ async fn webhook() {
         .await
         .expect("good");
     assert_eq!(reply.status, 200, "{}", reply.body);
+    let good_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("testdata/webhook/good");
+    let samples: Vec<Vec<u8>> = std::fs::read_dir(&good_dir)
+        .expect("good samples")
+        .map(|e| std::fs::read(e.expect("entry").path()).expect("read"))
+        .collect();
+    for (i, body) in testenv::mutations::mutations(&samples, 200, 13)
+        .iter()
+        .enumerate()
+    {
+        let reply = http_client::https(addr, config.clone(), "POST", "/pod/mutate", body)
+            .await
+            .unwrap_or_else(|e| panic!("mutation {i}: {e}"));
+        assert!(
+            reply.status == 200 || ((400..500).contains(&reply.status) && !reply.body.is_empty()),
+            "mutation {i}: {} {:?}\n{}",
+            reply.status,
+            reply.body,
+            String::from_utf8_lossy(body)
+        );
+    }
 
     // Certificates change under a steady load of pod creations; none may fail.
     let failures = Arc::new(AtomicU64::new(0));

@@ -4,7 +4,9 @@
 
 mod cluster_scale;
 mod driver_ops;
+mod http_load;
 mod report;
+mod webhook_load;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -107,6 +109,13 @@ fn main() -> anyhow::Result<()> {
                 anyhow::ensure!(remaining.is_empty(), "left behind: {remaining:?}");
                 anyhow::Ok(out)
             })?);
+            let load = if smoke {
+                webhook_load::Scale::smoke()
+            } else {
+                webhook_load::Scale::full()
+            };
+            benchmarks.extend(runtime.block_on(webhook_load::mutate(&load))?);
+            benchmarks.extend(runtime.block_on(webhook_load::filter(&load))?);
             if smoke {
                 for b in &benchmarks {
                     println!("smoke: {} ran, {} samples", b.name, b.samples.len());

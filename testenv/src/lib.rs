@@ -7,6 +7,7 @@ pub mod control_plane;
 pub mod http_client;
 pub mod kubeconfig;
 pub mod leftovers;
+pub mod mutations;
 pub mod node_driver;
 pub mod node_processes;
 pub mod nodes;

@@ -1,0 +1,463 @@
+//! Request-path benchmarks of the pod mutating webhook (`/pod/mutate` of `pmem-csi controller`,
+//! over TLS) and of the scheduler extender's `/filter`, each on its own testenv and loaded by
+//! [`crate::http_load`] from a pool of keep-alive connections.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use futures::{StreamExt, TryStreamExt};
+use hyper::body::Bytes;
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Secret};
+use k8s_openapi::api::storage::v1::CSIStorageCapacity;
+use kube::Api;
+use kube::api::PostParams;
+use testenv::TestEnv;
+use testenv::objects;
+use testenv::wait::until;
+
+use crate::http_load::{Endpoint, Outcome, Pool, Transport};
+use crate::report::{Benchmark, RelativeTarget, Target};
+
+const DRIVER: &str = "pmem-csi.intel.com";
+/// The driver namespace, where the controller keeps its Secret and nodes publish capacity.
+const NAMESPACE: &str = "pmem-csi";
+/// The Secret `--self-signed` keeps the CA and serving certificate in.
+const SECRET: &str = "pmem-csi-intel-com-controller-secret";
+/// The class of the published capacity objects.
+const CAPACITY_CLASS: &str = "pmem-late";
+/// Filter requests with this many names carry the filter target.
+const FILTER_TARGET_NAMES: usize = 5_000;
+/// Waiting for a component to come up or catch up; generous for a loaded 2-core machine.
+const WAIT: Duration = Duration::from_secs(120);
+const GI: u64 = 1 << 30;
+
+/// Rates, durations and sizes of the load benchmarks.
+#[derive(Debug, Clone)]
+pub struct Scale {
+    /// Keep-alive connections in the pool.
+    pub connections: usize,
+    /// Load at the measured rate before measuring, discarded.
+    pub warmup: Duration,
+    /// Open-loop rate of `/pod/mutate` requests.
+    pub mutate_rate: f64,
+    /// How long the mutate rate is held.
+    pub mutate_duration: Duration,
+    /// How long all connections send back-to-back for the maximum mutate rate.
+    pub max_rate_duration: Duration,
+    /// Node names per `/filter` request, one benchmark each.
+    pub filter_names: Vec<usize>,
+    /// Open-loop rate of `/filter` requests.
+    pub filter_rate: f64,
+    /// How long each filter rate is held.
+    pub filter_duration: Duration,
+}
+
+impl Scale {
+    /// The scale `just bench` measures and the targets are about.
+    pub fn full() -> Self {
+        Self {
+            connections: 8,
+            warmup: Duration::from_secs(1),
+            mutate_rate: 1000.0,
+            mutate_duration: Duration::from_secs(10),
+            max_rate_duration: Duration::from_secs(5),
+            filter_names: vec![500, FILTER_TARGET_NAMES],
+            filter_rate: 200.0,
+            filter_duration: Duration::from_secs(10),
+        }
+    }
+
+    /// A few seconds per benchmark, only to prove they still run.
+    pub fn smoke() -> Self {
+        Self {
+            connections: 8,
+            warmup: Duration::from_millis(500),
+            mutate_rate: 100.0,
+            mutate_duration: Duration::from_secs(2),
+            max_rate_duration: Duration::from_secs(1),
+            filter_names: vec![50],
+            filter_rate: 20.0,
+            filter_duration: Duration::from_secs(2),
+        }
+    }
+}
+
+/// `p99 ≤ ms`.
+fn p99_at_most(ms: f64) -> Target {
+    Target {
+        p50_max: None,
+        p99_max: Some(RelativeTarget {
+            of: vec![],
+            plus: ms,
+        }),
+    }
+}
+
+/// Stops `env` and fails when it left processes or mounts behind.
+async fn stop(env: TestEnv) -> anyhow::Result<()> {
+    let leftovers = env.stop().await;
+    let remaining = leftovers.wait_clean(Duration::from_secs(20)).await;
+    anyhow::ensure!(remaining.is_empty(), "left behind: {remaining:?}");
+    Ok(())
+}
+
+/// Warm-up, then the open-loop run at `rate`; fails on any failed request.
+async fn measured_run(
+    pool: &mut Pool,
+    what: &str,
+    rate: f64,
+    scale: &Scale,
+    duration: Duration,
+) -> anyhow::Result<Outcome> {
+    let warmup = pool.open_loop(rate, scale.warmup).await?;
+    warmup.ensure_no_failures(&format!("{what} warm-up"))?;
+    let outcome = pool.open_loop(rate, duration).await?;
+    outcome.ensure_no_failures(what)?;
+    println!(
+        "{what}: {} requests at {rate} req/s ({:.0} achieved) over {} connections: p50 {:.3} p99 {:.3} max {:.3} ms (from actual send: p50 {:.3} p99 {:.3} ms)",
+        outcome.latencies_ms.len(),
+        outcome.rate(),
+        pool.size(),
+        crate::report::quantile(&outcome.latencies_ms, 0.5),
+        crate::report::quantile(&outcome.latencies_ms, 0.99),
+        crate::report::quantile(&outcome.latencies_ms, 1.0),
+        crate::report::quantile(&outcome.service_ms, 0.5),
+        crate::report::quantile(&outcome.service_ms, 0.99),
+    );
+    Ok(outcome)
+}
+
+/// An AdmissionReview v1 of creating `pod`, as the apiserver sends it.
+fn admission_review(pod: &k8s_openapi::api::core::v1::Pod) -> anyhow::Result<Bytes> {
+    let namespace = pod.metadata.namespace.clone().unwrap_or_default();
+    let review = serde_json::json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "5f0e3a52-7c1d-4b8e-9a3f-2d6c1b0e4a71",
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
+            "requestResource": {"group": "", "version": "v1", "resource": "pods"},
+            "name": pod.metadata.name,
+            "namespace": namespace,
+            "operation": "CREATE",
+            "userInfo": {"username": "bench", "groups": ["system:authenticated"]},
+            "object": pod,
+            "dryRun": false,
+        },
+    });
+    Ok(serde_json::to_vec(&review)?.into())
+}
+
+/// `/pod/mutate` of a real `pmem-csi controller` (self-signed certificate, caches of a real
+/// apiserver) for a pod using an unbound late-binding claim of the driver, which it patches:
+/// latency at a fixed rate, then the maximum rate.
+pub async fn mutate(scale: &Scale) -> anyhow::Result<Vec<Benchmark>> {
+    let start = Instant::now();
+    let env = TestEnv::builder()
+        .start()
+        .await
+        .context("starting testenv")?;
+    let result = mutate_on(&env, scale).await;
+    // Stopped on failure too, so that a failed run leaves no processes behind.
+    stop(env).await?;
+    println!(
+        "webhook-mutate: {:.1} s with testenv start and stop",
+        start.elapsed().as_secs_f64()
+    );
+    result
+}
+
+async fn mutate_on(env: &TestEnv, scale: &Scale) -> anyhow::Result<Vec<Benchmark>> {
+    let client = env.client().await?;
+    objects::ensure_namespace(&client, NAMESPACE).await?;
+    objects::ensure_csi_driver(&client, DRIVER).await?;
+    let ns = testenv::test_namespace(&client, "mutate-load").await?;
+    let class = format!("{ns}-pmem");
+    objects::create_storage_class(&client, &class, DRIVER, "WaitForFirstConsumer").await?;
+    Api::<PersistentVolumeClaim>::namespaced(client.clone(), &ns)
+        .create(
+            &PostParams::default(),
+            &objects::claim(&ns, "data", &class, "1Gi"),
+        )
+        .await
+        .context("creating the claim")?;
+    let (admin, webhook) = (testenv::ports::free_port()?, testenv::ports::free_port()?);
+    let args = [
+        "--node-selector=storage=pmem".to_string(),
+        format!("--namespace={NAMESPACE}"),
+        format!("--admin-address=127.0.0.1:{admin}"),
+        format!("--webhook-address=127.0.0.1:{webhook}"),
+        "--self-signed".into(),
+        "--self-signed-san=127.0.0.1".into(),
+    ];
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let controller = env.supervise_controller("bench-webhook-controller", &args);
+    let body = admission_review(&objects::pod_with_claim(&ns, "app", "data"))?;
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], webhook));
+    let secrets = Api::<Secret>::namespaced(client.clone(), NAMESPACE);
+    // Ready when the Secret holds the CA and the webhook, trusting only that CA, patches the
+    // pod (its caches then know the claim and the class).
+    let endpoint = until("the webhook to patch the pod", WAIT, || {
+        let (secrets, body) = (secrets.clone(), body.clone());
+        async move {
+            let ca = secrets
+                .get_opt(SECRET)
+                .await
+                .map_err(|e| e.to_string())?
+                .and_then(|s| s.data)
+                .and_then(|d| d.get("ca.crt").cloned())
+                .ok_or("no ca.crt in the Secret yet")?;
+            let config = testenv::http_client::trusting(&String::from_utf8_lossy(&ca.0))?;
+            let endpoint = Endpoint {
+                addr,
+                transport: Transport::Tls(config),
+                path: "/pod/mutate".into(),
+                body,
+            };
+            let answer = crate::http_load::once(&endpoint)
+                .await
+                .map_err(|e| format!("{e:#}"))?;
+            let text = String::from_utf8_lossy(&answer);
+            if !text.contains("\"patch\"") {
+                return Err(format!("answer without a patch: {text}"));
+            }
+            Ok(endpoint)
+        }
+    })
+    .await?;
+    let mut pool = Pool::connect(endpoint, scale.connections).await?;
+    let rate = scale.mutate_rate;
+    let name = format!("webhook-mutate-{rate}rps");
+    let fixed = measured_run(&mut pool, &name, rate, scale, scale.mutate_duration).await?;
+    let max = pool.max_rate(scale.max_rate_duration).await?;
+    max.ensure_no_failures("webhook-mutate-max-rate")?;
+    println!(
+        "webhook-mutate-max-rate: {:.0} req/s over {} connections ({} requests, p50 {:.3} p99 {:.3} ms)",
+        max.rate(),
+        pool.size(),
+        max.latencies_ms.len(),
+        crate::report::quantile(&max.latencies_ms, 0.5),
+        crate::report::quantile(&max.latencies_ms, 0.99),
+    );
+    drop(pool);
+    controller.stop().await;
+    let flags = |extra: serde_json::Value| {
+        let mut flags = serde_json::json!({
+            "connections": scale.connections,
+            "keep_alive": true,
+            "transport": "https (TLS, self-signed CA from the Secret)",
+            "request": "AdmissionReview v1, pod CREATE with one unbound WaitForFirstConsumer claim of the driver (answer: 200 with a patch)",
+            "warmup_s": scale.warmup.as_secs_f64(),
+        });
+        if let (Some(flags), serde_json::Value::Object(extra)) = (flags.as_object_mut(), extra) {
+            flags.extend(extra);
+        }
+        flags
+    };
+    Ok(vec![
+        Benchmark {
+            name: format!("webhook-mutate-{rate}rps"),
+            description: format!(
+                "ms from a /pod/mutate request's scheduled send (open loop, {rate} req/s, {} keep-alive TLS connections, {} s) to the end of the answer; `secondary`: from its actual send",
+                scale.connections,
+                scale.mutate_duration.as_secs_f64()
+            ),
+            unit: "ms".into(),
+            samples: fixed.latencies_ms.clone(),
+            secondary: fixed.service_ms.clone(),
+            target: p99_at_most(2.0),
+            flags: flags(serde_json::json!({
+                "rate_per_s": rate,
+                "duration_s": scale.mutate_duration.as_secs_f64(),
+                "achieved_rate_per_s": fixed.rate(),
+                "failures": fixed.failures,
+            })),
+        },
+        Benchmark {
+            name: "webhook-mutate-max-rate".into(),
+            description: format!(
+                "/pod/mutate answers per second with {} keep-alive TLS connections sending back-to-back for {} s (higher is better; one sample)",
+                scale.connections,
+                scale.max_rate_duration.as_secs_f64()
+            ),
+            unit: "req/s".into(),
+            samples: vec![max.rate()],
+            secondary: vec![],
+            target: Target::none(),
+            flags: flags(serde_json::json!({
+                "duration_s": scale.max_rate_duration.as_secs_f64(),
+                "requests": max.latencies_ms.len(),
+                "latency_p50_ms": crate::report::quantile(&max.latencies_ms, 0.5),
+                "latency_p99_ms": crate::report::quantile(&max.latencies_ms, 0.99),
+                "failures": max.failures,
+            })),
+        },
+    ])
+}
+
+/// The node names of the filter benchmarks.
+fn node_name(i: usize) -> String {
+    format!("load-node-{i:05}")
+}
+
+/// ExtenderArgs for a pod with one 1 GiB CSI inline volume of the driver and `names` nodes.
+fn extender_args(names: usize) -> anyhow::Result<Bytes> {
+    let mut pod = objects::with_scheduler_resource(
+        objects::pod_with_inline_volume("filter-load", "app", DRIVER, "1Gi"),
+        DRIVER,
+    );
+    // Reservations are keyed by the UID: every request re-filters the same pod, as the
+    // scheduler does when it retries.
+    pod.metadata.uid = Some("0c7f1d2e-3b4a-4f5e-8d6c-9a0b1c2d3e4f".into());
+    let args = serde_json::json!({
+        "Pod": pod,
+        "Nodes": null,
+        "NodeNames": (0..names).map(node_name).collect::<Vec<_>>(),
+    });
+    Ok(serde_json::to_vec(&args)?.into())
+}
+
+/// `/filter` of a real `pmem-csi extender` whose index holds the published capacity of as many
+/// nodes as the largest request names: latency at a fixed rate per request size.
+pub async fn filter(scale: &Scale) -> anyhow::Result<Vec<Benchmark>> {
+    let start = Instant::now();
+    // A long grace: the named nodes have no Node objects and must not be judged driverless,
+    // so that the fit runs for every one of them.
+    let env = TestEnv::builder()
+        .extender(["--reschedule-grace=24h"])
+        .start()
+        .await
+        .context("starting testenv")?;
+    let result = filter_on(&env, scale).await;
+    stop(env).await?;
+    println!(
+        "extender-filter: {:.1} s with testenv start and stop",
+        start.elapsed().as_secs_f64()
+    );
+    result
+}
+
+async fn filter_on(env: &TestEnv, scale: &Scale) -> anyhow::Result<Vec<Benchmark>> {
+    let (route, _) = env
+        .extender_addresses()
+        .context("the testenv runs no extender")?;
+    let client = env.client().await?;
+    objects::ensure_namespace(&client, NAMESPACE).await?;
+    objects::ensure_csi_driver(&client, DRIVER).await?;
+    objects::create_storage_class(&client, CAPACITY_CLASS, DRIVER, "WaitForFirstConsumer").await?;
+    let nodes = scale.filter_names.iter().copied().max().unwrap_or(0);
+    let api = Api::<CSIStorageCapacity>::namespaced(client.clone(), NAMESPACE);
+    // Creating the objects is not measured; a few dozen requests in flight keep it short.
+    futures::stream::iter((0..nodes).map(|i| {
+        let api = api.clone();
+        async move {
+            let capacity = objects::published_capacity(
+                NAMESPACE,
+                DRIVER,
+                &node_name(i),
+                CAPACITY_CLASS,
+                &[64 * GI, 32 * GI],
+                128 * GI,
+            );
+            api.create(&PostParams::default(), &capacity)
+                .await
+                .map(|_| ())
+        }
+    }))
+    .buffer_unordered(32)
+    .try_collect::<Vec<()>>()
+    .await
+    .context("publishing capacity")?;
+    // Ready when every published node passes a filter naming them all: the index has them.
+    let all = Endpoint {
+        addr: route,
+        transport: Transport::Plain,
+        path: "/filter".into(),
+        body: extender_args(nodes)?,
+    };
+    until("the extender to index every node", WAIT, || async {
+        let answer = crate::http_load::once(&all)
+            .await
+            .map_err(|e| format!("{e:#}"))?;
+        let answer: serde_json::Value =
+            serde_json::from_slice(&answer).map_err(|e| format!("answer: {e}"))?;
+        let passed = answer["NodeNames"].as_array().map_or(0, Vec::len);
+        (passed == nodes)
+            .then_some(())
+            .ok_or(format!("{passed} of {nodes} nodes pass"))
+    })
+    .await?;
+    let mut out = Vec::new();
+    for &names in &scale.filter_names {
+        let endpoint = Endpoint {
+            body: extender_args(names)?,
+            ..all.clone()
+        };
+        let mut pool = Pool::connect(endpoint, scale.connections).await?;
+        let name = format!("extender-filter-{names}-names");
+        let rate = scale.filter_rate;
+        let outcome = measured_run(&mut pool, &name, rate, scale, scale.filter_duration).await?;
+        out.push(Benchmark {
+            name,
+            description: format!(
+                "ms from a /filter request's scheduled send (open loop, {rate} req/s, {} keep-alive connections, {} s; {names} node names, all fitting) to the end of the answer; `secondary`: from its actual send",
+                scale.connections,
+                scale.filter_duration.as_secs_f64()
+            ),
+            unit: "ms".into(),
+            samples: outcome.latencies_ms.clone(),
+            secondary: outcome.service_ms.clone(),
+            target: if names == FILTER_TARGET_NAMES {
+                p99_at_most(5.0)
+            } else {
+                Target::none()
+            },
+            flags: serde_json::json!({
+                "names": names,
+                "published_nodes": nodes,
+                "rate_per_s": rate,
+                "duration_s": scale.filter_duration.as_secs_f64(),
+                "warmup_s": scale.warmup.as_secs_f64(),
+                "connections": scale.connections,
+                "keep_alive": true,
+                "transport": "http",
+                "request": "ExtenderArgs with NodeNames; pod with one 1Gi CSI inline volume of the driver, same UID every request",
+                "extender_args": ["--reschedule-grace=24h"],
+                "placement": "reserve-all (default)",
+                "achieved_rate_per_s": outcome.rate(),
+                "failures": outcome.failures,
+            }),
+        });
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bodies_are_what_the_servers_decode() {
+        let review = webhooks::admission::decode_review(
+            &admission_review(&objects::pod_with_claim("ns", "app", "data")).expect("review"),
+        )
+        .expect("the webhook decodes the review");
+        assert_eq!(review.namespace, "ns");
+        assert!(review.object.is_some());
+        let args = webhooks::extender_api::decode_request(&extender_args(3).expect("args"))
+            .expect("the extender decodes the args");
+        assert!(!args.pod_uid.is_empty());
+        let raw: serde_json::Value =
+            serde_json::from_slice(&extender_args(3).expect("args")).expect("JSON");
+        assert_eq!(
+            raw["NodeNames"],
+            serde_json::json!(["load-node-00000", "load-node-00001", "load-node-00002"])
+        );
+        assert_eq!(
+            raw["Pod"]["spec"]["volumes"][0]["csi"]["driver"],
+            serde_json::json!(DRIVER)
+        );
+    }
+}
