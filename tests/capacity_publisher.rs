@@ -48,6 +48,7 @@ async fn class(client: &kube::Client, name: &str, mode: &str) {
 /// A supervised fake-backend node driver publishing for `node`.
 fn node_driver(env: &TestEnv, node: &str, dirs: &NodeDriverDirs) -> Supervised {
     env.supervise_node_driver(node, dirs, &DriverOptions::fake("1Gi", &[]))
+        .expect("node driver")
 }
 
 fn capability() -> VolumeCapability {
@@ -101,7 +102,9 @@ async fn publishes_follows_coalesces_and_withdraws() {
     let dirs = NodeDriverDirs::under(root.path());
     let port = testenv::ports::free_port().expect("port");
     let admin = format!("--admin-address=127.0.0.1:{port}");
-    let driver = env.supervise_node_driver("node-1", &dirs, &DriverOptions::fake("1Gi", &[&admin]));
+    let driver = env
+        .supervise_node_driver("node-1", &dirs, &DriverOptions::fake("1Gi", &[&admin]))
+        .expect("node driver");
     testenv::node_driver::wait_for_path(&dirs.socket, WAIT)
         .await
         .expect("socket");

@@ -31,16 +31,12 @@ fn fixture() -> &'static Fixture {
             TestEnv::builder().nodes(1)
         }
         let env = TestEnv::shared(configure);
-        let controller = env.supervise_controller(
-            "controller",
-            &[
-                "--node-selector=storage=pmem",
-                "--reschedule-grace=2s",
-                "--heartbeat-grace=1s",
-                "--namespace=pmem-csi",
-                "--admin-address=127.0.0.1:0",
-            ],
-        );
+        let controller = env
+            .supervise_controller(
+                "controller",
+                &["--reschedule-grace=2s", "--heartbeat-grace=1s"],
+            )
+            .expect("controller");
         Fixture {
             env,
             _controller: controller,
@@ -50,6 +46,7 @@ fn fixture() -> &'static Fixture {
 
 fn node_driver(env: &TestEnv, node: &str, dirs: &NodeDriverDirs) -> Supervised {
     env.supervise_node_driver(node, dirs, &DriverOptions::fake("1Gi", &[]))
+        .expect("node driver")
 }
 
 fn claim(name: &str, ns: &str, class: &str, node: &str) -> PersistentVolumeClaim {

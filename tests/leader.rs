@@ -10,7 +10,7 @@ use kube::api::{ListParams, PostParams};
 use rustix::process::Signal;
 use testenv::objects;
 use testenv::wait::until;
-use testenv::{NodeSpec, ProcessSpec, Supervised, TestEnv, TestEnvBuilder};
+use testenv::{NodeSpec, Supervised, TestEnv, TestEnvBuilder};
 
 const DRIVER: &str = "pmem-csi.intel.com";
 const SELECTED: &str = "volume.kubernetes.io/selected-node";
@@ -25,25 +25,18 @@ fn env() -> &'static TestEnv {
 }
 
 fn controller(env: &TestEnv, identity: &str, port: u16) -> Supervised {
-    env.supervise(
-        ProcessSpec::new(
-            format!("controller-{identity}"),
-            env!("CARGO_BIN_EXE_pmem-csi"),
-            format!("controller-{identity}.log"),
-        )
-        .args([
-            "controller".to_string(),
-            "--node-selector=storage=pmem".into(),
-            "--reschedule-grace=1s".into(),
-            "--namespace=pmem-csi".into(),
-            "--leader-election".into(),
-            "--leader-election-lease-duration=3s".into(),
-            "--leader-election-retry-period=500ms".into(),
-            format!("--leader-election-identity={identity}"),
-            format!("--admin-address=127.0.0.1:{port}"),
-        ])
-        .env("KUBECONFIG", env.admin_kubeconfig()),
+    env.supervise_controller(
+        &format!("controller-{identity}"),
+        &[
+            "--reschedule-grace=1s",
+            "--leader-election",
+            "--leader-election-lease-duration=3s",
+            "--leader-election-retry-period=500ms",
+            &format!("--leader-election-identity={identity}"),
+            &format!("--admin-address=127.0.0.1:{port}"),
+        ],
     )
+    .expect("controller")
 }
 
 fn claim(name: &str, ns: &str, class: &str) -> PersistentVolumeClaim {

@@ -98,11 +98,13 @@ async fn deletes_orphans_keeps_the_rest() {
     let dirs = NodeDriverDirs::under(root.path());
     let port = testenv::ports::free_port().expect("port");
     let admin = format!("--admin-address=127.0.0.1:{port}");
-    let driver = env.supervise_node_driver(
-        "node-1",
-        &dirs,
-        &DriverOptions::fake("1Gi", &["--orphan-grace=2s", &admin]),
-    );
+    let driver = env
+        .supervise_node_driver(
+            "node-1",
+            &dirs,
+            &DriverOptions::fake("1Gi", &["--orphan-grace=2s", &admin]),
+        )
+        .expect("node driver");
     testenv::node_driver::wait_for_path(&dirs.socket, WAIT)
         .await
         .expect("socket");

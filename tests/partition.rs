@@ -39,16 +39,12 @@ fn fixture() -> &'static Fixture {
             })
         }
         let env = TestEnv::shared(configure);
-        let controller = env.supervise_controller(
-            "controller",
-            &[
-                "--node-selector=storage=pmem",
-                "--reschedule-grace=2s",
-                "--heartbeat-grace=1s",
-                "--namespace=pmem-csi",
-                "--admin-address=127.0.0.1:0",
-            ],
-        );
+        let controller = env
+            .supervise_controller(
+                "controller",
+                &["--reschedule-grace=2s", "--heartbeat-grace=1s"],
+            )
+            .expect("controller");
         Fixture {
             env,
             _controller: controller,

@@ -12,7 +12,7 @@ use kube::Api;
 use kube::api::{DeleteParams, ListParams, ObjectMeta, PostParams};
 use testenv::objects;
 use testenv::wait::until;
-use testenv::{NodeSpec, ProcessSpec, Supervised, TestEnv, TestEnvBuilder};
+use testenv::{NodeSpec, Supervised, TestEnv, TestEnvBuilder};
 
 const DRIVER: &str = "pmem-csi.intel.com";
 const SELECTED: &str = "volume.kubernetes.io/selected-node";
@@ -39,21 +39,10 @@ fn fixture() -> &'static Fixture {
         }
         let env = TestEnv::shared(configure);
         let metrics_port = testenv::ports::free_port().expect("port");
-        let controller = env.supervise(
-            ProcessSpec::new(
-                "pmem-csi controller",
-                env!("CARGO_BIN_EXE_pmem-csi"),
-                "controller.log",
-            )
-            .args([
-                "controller".to_string(),
-                "--node-selector=storage=pmem".into(),
-                "--reschedule-grace=2s".into(),
-                "--namespace=pmem-csi".into(),
-                format!("--admin-address=127.0.0.1:{metrics_port}"),
-            ])
-            .env("KUBECONFIG", env.admin_kubeconfig()),
-        );
+        let admin = format!("--admin-address=127.0.0.1:{metrics_port}");
+        let controller = env
+            .supervise_controller("controller", &["--reschedule-grace=2s", &admin])
+            .expect("controller");
         Fixture {
             env,
             metrics_port,

@@ -17,7 +17,7 @@ use k8s_openapi::api::core::v1::{
 use kube::Api;
 use kube::api::PostParams;
 use testenv::wait::until;
-use testenv::{ProcessSpec, Supervised, TestEnv, http_client, objects};
+use testenv::{Supervised, TestEnv, http_client, objects};
 
 const DRIVER: &str = "pmem-csi.intel.com";
 const RESOURCE: &str = "pmem-csi.intel.com/scheduler";
@@ -32,25 +32,21 @@ struct Replica {
 }
 
 fn start_replica(env: &TestEnv, name: &str, webhook: u16, admin: u16) -> Replica {
-    let process = env.supervise(
-        ProcessSpec::new(name, env!("CARGO_BIN_EXE_pmem-csi"), format!("{name}.log"))
-            .args([
-                "controller".to_string(),
-                "--node-selector=storage=pmem".into(),
-                "--namespace=pmem-csi".into(),
-                "--leader-election".into(),
-                "--leader-election-lease-duration=4s".into(),
-                "--leader-election-retry-period=1s".into(),
-                format!("--leader-election-identity={name}"),
-                format!("--admin-address=127.0.0.1:{admin}"),
-                format!("--webhook-address=127.0.0.1:{webhook}"),
-                "--self-signed".into(),
-                "--self-signed-san=127.0.0.1".into(),
-                "--self-signed-leaf-validity=60s".into(),
-                "--tls-reload-interval=200ms".into(),
-            ])
-            .env("KUBECONFIG", env.admin_kubeconfig()),
-    );
+    let process = env
+        .supervise_controller(
+            name,
+            &[
+                "--leader-election-lease-duration=4s",
+                "--leader-election-retry-period=1s",
+                &format!("--leader-election-identity={name}"),
+                &format!("--admin-address=127.0.0.1:{admin}"),
+                &format!("--webhook-address=127.0.0.1:{webhook}"),
+                "--self-signed-san=127.0.0.1",
+                "--self-signed-leaf-validity=60s",
+                "--tls-reload-interval=200ms",
+            ],
+        )
+        .expect("controller");
     Replica {
         process,
         webhook,

@@ -19,7 +19,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::Api;
 use kube::api::{ObjectMeta, PostParams};
 use testenv::node_driver::NodeDriverDirs;
-use testenv::{NodeSpec, ProcessSpec, TestEnv};
+use testenv::{NodeSpec, TestEnv};
 
 use crate::report::{Benchmark, Target};
 
@@ -114,19 +114,14 @@ pub async fn rescheduler_pass(
     let port = testenv::ports::free_port()?;
     let start = Instant::now();
     let controller = env.supervise(
-        ProcessSpec::new(
+        env.our_process(
+            testenv::manifests::OurContainer::Controller,
             "bench/controller",
-            env.tools().pmem_csi(),
             "bench-controller.log",
-        )
-        .args([
-            "controller".to_string(),
-            "--node-selector=storage=pmem".into(),
-            "--reschedule-grace=10m".into(),
-            "--namespace=pmem-csi".into(),
-            format!("--admin-address=127.0.0.1:{port}"),
-        ])
-        .env("KUBECONFIG", env.admin_kubeconfig())
+            &testenv::manifests::Overrides::new()
+                .set("--reschedule-grace", "10m")
+                .set("--admin-address", format!("127.0.0.1:{port}")),
+        )?
         .env("RUST_LOG", "warn"),
     );
     let probe =
@@ -197,20 +192,9 @@ pub async fn capacity_latency(
     NodeSpec::with_driver(&node).create(&client, DRIVER).await?;
     let root = tempfile::tempdir_in(work)?;
     let dirs = NodeDriverDirs::under(root.path());
-    let driver = env.supervise(
-        ProcessSpec::new("bench/node", env.tools().pmem_csi(), "bench-node.log")
-            .args([
-                "node".to_string(),
-                format!("--endpoint=unix://{}", dirs.socket.display()),
-                format!("--node-id={node}"),
-                "--device-mode=fake".into(),
-                "--emulated-size=1Ti".into(),
-                format!("--state-dir={}", dirs.state.display()),
-                "--admin-address=127.0.0.1:0".into(),
-            ])
-            .env("KUBECONFIG", env.admin_kubeconfig())
-            .env("RUST_LOG", "warn"),
-    );
+    let mut options = testenv::node_processes::DriverOptions::fake("1Ti", &[]);
+    options.env.push(("RUST_LOG".into(), "warn".into()));
+    let driver = env.supervise_node_driver(&node, &dirs, &options)?;
     testenv::node_driver::wait_for_path(&dirs.socket, Duration::from_secs(60)).await?;
     let mut csi = ControllerClient::new(driver::client::connect(&dirs.socket).await?);
     let api = Api::<CSIStorageCapacity>::namespaced(client.clone(), "pmem-csi");

@@ -185,15 +185,12 @@ async fn mutate_on(env: &TestEnv, scale: &Scale) -> anyhow::Result<Vec<Benchmark
         .context("creating the claim")?;
     let (admin, webhook) = (testenv::ports::free_port()?, testenv::ports::free_port()?);
     let args = [
-        "--node-selector=storage=pmem".to_string(),
-        format!("--namespace={NAMESPACE}"),
         format!("--admin-address=127.0.0.1:{admin}"),
         format!("--webhook-address=127.0.0.1:{webhook}"),
-        "--self-signed".into(),
         "--self-signed-san=127.0.0.1".into(),
     ];
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let controller = env.supervise_controller("bench-webhook-controller", &args);
+    let controller = env.supervise_controller("bench-webhook-controller", &args)?;
     let body = admission_review(&objects::pod_with_claim(&ns, "app", "data"))?;
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], webhook));
     let secrets = Api::<Secret>::namespaced(client.clone(), NAMESPACE);

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::Namespace;
 use kube::Api;
 
+use crate::audit;
 use crate::kubeconfig::{self, Credentials, KubeconfigError};
 use crate::pki::{Pki, PkiError};
 use crate::ports::free_port;
@@ -143,7 +144,15 @@ impl ControlPlane {
         })
         .await?;
 
-        // kube-apiserver.
+        // kube-apiserver, auditing our ServiceAccounts' requests (tests/least_privilege.rs).
+        let audit_policy = certs.join("audit-policy.yaml");
+        std::fs::write(&audit_policy, audit::policy(crate::manifests::NAMESPACE)).map_err(
+            |source| ControlPlaneError::Write {
+                path: audit_policy.clone(),
+                source,
+            },
+        )?;
+        let audit_log = audit_log_path(&logs)?;
         let api_port = port()?;
         let server = format!("https://127.0.0.1:{api_port}");
         let apiserver = Component::start(
@@ -179,6 +188,10 @@ impl ControlPlane {
                 "--endpoint-reconciler-type=none".into(),
                 "--allow-privileged=true".into(),
                 "--profiling=false".into(),
+                format!("--audit-policy-file={}", audit_policy.display()),
+                format!("--audit-log-path={}", audit_log.display()),
+                "--audit-log-format=json".into(),
+                "--audit-log-mode=blocking".into(),
             ]),
             group,
         )?;
@@ -306,6 +319,26 @@ impl ControlPlane {
             component.stop().await;
         }
     }
+}
+
+/// `logs/audit.log`, or with `PMEM_CSI_AUDIT_DIR` a file of its own there that outlives the
+/// work directory (shared testenvs are never stopped, only killed with their test binary).
+fn audit_log_path(logs: &Path) -> Result<PathBuf, ControlPlaneError> {
+    let Some(dir) = std::env::var_os(audit::AUDIT_DIR_ENV) else {
+        return Ok(logs.join("audit.log"));
+    };
+    let dir = PathBuf::from(dir);
+    mkdir(&dir)?;
+    let binary = std::env::current_exe()
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "testenv".into());
+    let unique = logs
+        .parent()
+        .and_then(Path::file_name)
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    Ok(dir.join(format!("{binary}-{unique}.log")))
 }
 
 fn mkdir(dir: &Path) -> Result<(), ControlPlaneError> {

@@ -28,6 +28,8 @@ pub enum Credentials<'a> {
     Certificate(&'a CertifiedKey),
     /// A bearer token (service accounts).
     Token(&'a str),
+    /// A file holding a bearer token, re-read by clients as it is renewed.
+    TokenFile(&'a Path),
 }
 
 /// Writes `<dir>/<name>.kubeconfig` for `server`, trusting `ca_file`, and returns its path.
@@ -53,6 +55,7 @@ pub fn write(
             })
         }
         Credentials::Token(token) => serde_json::json!({ "token": token }),
+        Credentials::TokenFile(file) => serde_json::json!({ "tokenFile": file }),
     };
     let config = serde_json::json!({
         "apiVersion": "v1",

@@ -3,10 +3,12 @@
 //! module proxy at pinned versions, simulated nodes, and processes supervised as kubelet would.
 //! No containers, no kubelet.
 
+pub mod audit;
 pub mod control_plane;
 pub mod http_client;
 pub mod kubeconfig;
 pub mod leftovers;
+pub mod manifests;
 pub mod mutations;
 pub mod node_driver;
 pub mod node_processes;
@@ -17,6 +19,7 @@ pub mod ports;
 pub mod process;
 pub mod proxy;
 pub mod scheduler_config;
+pub mod service_accounts;
 pub mod tools;
 pub mod wait;
 
@@ -61,6 +64,12 @@ pub enum TestEnvError {
     /// No free port.
     #[error("finding a free port: {0}")]
     Port(#[from] std::io::Error),
+    /// The manifests could not be rendered or read.
+    #[error(transparent)]
+    Manifests(#[from] manifests::ManifestError),
+    /// The manifests' objects or ServiceAccount tokens.
+    #[error(transparent)]
+    ServiceAccounts(#[from] service_accounts::ServiceAccountError),
     /// An API call during start-up.
     #[error("setting up the cluster: {0}")]
     Api(#[from] kube::Error),
@@ -161,6 +170,12 @@ pub struct TestEnv {
     node_processes: std::sync::Mutex<Vec<node_processes::NodeProcesses>>,
     proxies: Vec<(String, proxy::TcpProxy)>,
     extender: Option<ExtenderProcess>,
+    /// `overlays/emulated` rendered.
+    manifests_base: std::sync::Arc<manifests::Rendered>,
+    /// `overlays/emulated` with the scheduler-extender component rendered.
+    manifests: std::sync::Arc<manifests::Rendered>,
+    /// Kubeconfigs of the manifests' ServiceAccounts.
+    accounts: service_accounts::ServiceAccountKubeconfigs,
     /// Cancelled first on stop, so that no supervisor restarts what teardown kills.
     shutdown: CancellationToken,
     // Declared last: dropped after the components, so their graceful stop comes first.
@@ -198,6 +213,19 @@ impl TestEnv {
             }
             None => None,
         };
+        let kubectl = tools.go("kubectl");
+        let manifests_base = std::sync::Arc::new(manifests::Rendered::render(
+            &kubectl,
+            tools::repo_root(),
+            dir.path(),
+            false,
+        )?);
+        let manifests = std::sync::Arc::new(manifests::Rendered::render(
+            &kubectl,
+            tools::repo_root(),
+            dir.path(),
+            true,
+        )?);
         let control_plane =
             ControlPlane::start(dir.path(), &tools, &pki, &group, &builder.scheduler).await?;
         let mut env = Self {
@@ -210,27 +238,47 @@ impl TestEnv {
             node_processes: Default::default(),
             proxies: Vec::new(),
             extender: None,
+            manifests_base,
+            manifests,
+            accounts: Default::default(),
             shutdown: CancellationToken::new(),
             group,
         };
+        let client = env.client().await?;
+        service_accounts::apply(&client, &env.manifests).await?;
+        let mut names: Vec<String> = [
+            manifests::OurContainer::NodeDriver,
+            manifests::OurContainer::Controller,
+            manifests::OurContainer::Extender,
+        ]
+        .iter()
+        .map(|c| env.manifests.launch(*c).map(|l| l.service_account))
+        .collect::<Result<_, _>>()?;
+        names.dedup();
+        env.accounts = service_accounts::ServiceAccountKubeconfigs::issue(
+            &client,
+            manifests::NAMESPACE,
+            &names,
+            &env.dir().join("pki"),
+            &env.server(),
+            &env.dir().join("pki/ca.crt"),
+            env.shutdown.child_token(),
+        )
+        .await?;
         if let (Some(args), Some((route, admin))) = (builder.extender.take(), extender_ports) {
             let address = SocketAddr::from(([127, 0, 0, 1], route));
             let admin = SocketAddr::from(([127, 0, 0, 1], admin));
-            let spec = ProcessSpec::new("extender", env.tools.pmem_csi(), "extender.log")
-                .args([
-                    "extender".to_string(),
-                    format!("--extender-address={address}"),
-                    format!("--admin-address={admin}"),
-                    format!("--driver-name={}", env.driver_name),
-                    format!(
-                        "--node-selector={}={}",
-                        nodes::DEFAULT_NODE_SELECTOR.0,
-                        nodes::DEFAULT_NODE_SELECTOR.1
-                    ),
-                    format!("--namespace={}", node_processes::DRIVER_NAMESPACE),
-                ])
-                .args(args)
-                .env("KUBECONFIG", env.admin_kubeconfig());
+            let overrides = manifests::Overrides::new()
+                .set("--extender-address", address.to_string())
+                .set("--admin-address", admin.to_string())
+                .and(&env.driver_name_override())
+                .and(&manifests::Overrides::from_args(&args));
+            let spec = env.our_process(
+                manifests::OurContainer::Extender,
+                "extender",
+                "extender.log",
+                &overrides,
+            )?;
             let process = env.supervise(spec);
             env.extender = Some(ExtenderProcess {
                 process,
@@ -238,7 +286,6 @@ impl TestEnv {
                 admin,
             });
         }
-        let client = env.client().await?;
         for node in &env.nodes {
             // With driver processes, the CSINode lists the driver only once it serves.
             let mut spec = node.clone();
@@ -247,23 +294,19 @@ impl TestEnv {
             }
             spec.create(&client, &env.driver_name).await?;
         }
-        if let Some(options) = builder.drivers {
-            use k8s_openapi::api::core::v1::Namespace;
-            let namespace = Namespace {
-                metadata: kube::api::ObjectMeta {
-                    name: Some(node_processes::DRIVER_NAMESPACE.into()),
-                    ..Default::default()
-                },
-                ..Default::default()
-            };
-            kube::Api::<Namespace>::all(client.clone())
-                .create(&Default::default(), &namespace)
-                .await?;
+        if let Some(mut options) = builder.drivers {
+            options.extra_args = env
+                .driver_name_override()
+                .flags()
+                .map(|_| format!("--driver-name={}", env.driver_name))
+                .chain(options.extra_args)
+                .collect();
             let launcher = node_processes::NodeLauncher {
                 client: client.clone(),
                 tools: env.tools.clone(),
                 root: env.dir().to_path_buf(),
-                kubeconfig: env.admin_kubeconfig(),
+                kubeconfig: env.node_kubeconfig()?,
+                manifests: env.manifests.clone(),
                 driver_name: env.driver_name.clone(),
                 options,
             };
@@ -395,23 +438,127 @@ impl TestEnv {
         }
     }
 
-    /// Starts a supervised `pmem-csi node` for `node`, its files in `dirs`, talking to this
-    /// testenv's apiserver with the arguments testenv's own node processes get.
+    /// Starts a supervised `pmem-csi node` for `node`, its files in `dirs`, as testenv's own
+    /// node processes run: the rendered container under the node ServiceAccount.
     pub fn supervise_node_driver(
         &self,
         node: &str,
         dirs: &node_driver::NodeDriverDirs,
         options: &node_processes::DriverOptions,
-    ) -> Supervised {
-        self.supervise(
-            ProcessSpec::new(
-                format!("{node}/pmem-csi"),
-                self.tools.pmem_csi(),
-                format!("{node}-pmem-csi.log"),
-            )
-            .args(node_processes::driver_args(node, dirs, options))
-            .env("KUBECONFIG", self.admin_kubeconfig()),
-        )
+    ) -> Result<Supervised, TestEnvError> {
+        let pod = manifests::PodFacts {
+            name: format!("pmem-csi-intel-com-node-{node}"),
+            namespace: manifests::NAMESPACE.into(),
+            node_name: node.into(),
+        };
+        let mut spec = node_processes::container_process(
+            &self.manifests,
+            manifests::OurContainer::NodeDriver,
+            &format!("{node}/pmem-csi"),
+            self.tools.pmem_csi(),
+            &pod,
+            format!("{node}-pmem-csi.log"),
+            &self
+                .driver_name_override()
+                .and(&node_processes::driver_overrides(dirs, options)),
+        )?
+        .env("KUBECONFIG", self.node_kubeconfig()?);
+        for (k, v) in &options.env {
+            spec = spec.env(k, v);
+        }
+        Ok(self.supervise(spec))
+    }
+
+    /// The rendered manifests testenv runs: `overlays/emulated` with the scheduler-extender
+    /// component.
+    pub fn manifests(&self) -> &manifests::Rendered {
+        &self.manifests
+    }
+
+    /// `overlays/emulated` alone, as installed where the scheduler cannot be configured.
+    pub fn manifests_base(&self) -> &manifests::Rendered {
+        &self.manifests_base
+    }
+
+    /// The kubeconfig of ServiceAccount `name` of the manifests.
+    pub fn service_account_kubeconfig(&self, name: &str) -> Option<&Path> {
+        self.accounts.get(name)
+    }
+
+    fn node_kubeconfig(&self) -> Result<PathBuf, TestEnvError> {
+        let account = self
+            .manifests
+            .launch(manifests::OurContainer::NodeDriver)?
+            .service_account;
+        self.accounts
+            .get(&account)
+            .map(Path::to_path_buf)
+            .ok_or_else(|| {
+                TestEnvError::Manifests(manifests::ManifestError::Unsupported {
+                    container: "pmem-driver".into(),
+                    reason: format!("no kubeconfig for ServiceAccount {account}"),
+                })
+            })
+    }
+
+    fn driver_name_override(&self) -> manifests::Overrides {
+        if self.driver_name == DEFAULT_DRIVER_NAME {
+            manifests::Overrides::new()
+        } else {
+            manifests::Overrides::new().set("--driver-name", self.driver_name.clone())
+        }
+    }
+
+    /// Process `name` of our rendered container `which` (controller or extender) with
+    /// `overrides`, under its ServiceAccount, logging to `logs/<log>`.
+    pub fn our_process(
+        &self,
+        which: manifests::OurContainer,
+        name: &str,
+        log: &str,
+        overrides: &manifests::Overrides,
+    ) -> Result<ProcessSpec, TestEnvError> {
+        let rendered = if which == manifests::OurContainer::Controller
+            && !overrides.flags().any(|f| f == "--webhook-address")
+        {
+            // Without the webhook the controller runs as the base installs it.
+            &self.manifests_base
+        } else {
+            &self.manifests
+        };
+        let launch = rendered.launch(which)?;
+        let kubeconfig = self
+            .accounts
+            .get(&launch.service_account)
+            .map(Path::to_path_buf)
+            .ok_or_else(|| {
+                TestEnvError::Manifests(manifests::ManifestError::Unsupported {
+                    container: name.into(),
+                    reason: format!(
+                        "no kubeconfig for ServiceAccount {}",
+                        launch.service_account
+                    ),
+                })
+            })?;
+        let pod = manifests::PodFacts {
+            name: name.into(),
+            namespace: manifests::NAMESPACE.into(),
+            node_name: "control-plane".into(),
+        };
+        let overrides = manifests::Overrides::new()
+            .set("--admin-address", "127.0.0.1:0")
+            .and(&self.driver_name_override())
+            .and(overrides);
+        Ok(node_processes::container_process(
+            rendered,
+            which,
+            name,
+            self.tools.pmem_csi(),
+            &pod,
+            log,
+            &overrides,
+        )?
+        .env("KUBECONFIG", kubeconfig))
     }
 
     /// A proxy to the apiserver for `node`'s processes and a kubeconfig through it.
@@ -431,11 +578,10 @@ impl TestEnv {
                 parent: PathBuf::from(&server),
                 source,
             })?;
-        let admin = std::fs::read_to_string(self.admin_kubeconfig()).map_err(|source| {
-            TestEnvError::WorkDir {
-                parent: self.admin_kubeconfig(),
-                source,
-            }
+        let own = self.node_kubeconfig()?;
+        let admin = std::fs::read_to_string(&own).map_err(|source| TestEnvError::WorkDir {
+            parent: own.clone(),
+            source,
         })?;
         let path = self.dir().join(format!("pki/{node}-via-proxy.kubeconfig"));
         std::fs::write(
@@ -455,14 +601,22 @@ impl TestEnv {
         self.proxies.iter().find(|(n, _)| n == node).map(|(_, p)| p)
     }
 
-    /// Starts a supervised `pmem-csi controller` with `args` (after the subcommand) against
-    /// this testenv, logging to `logs/<name>.log`.
-    pub fn supervise_controller(&self, name: &str, args: &[&str]) -> Supervised {
-        self.supervise(
-            ProcessSpec::new(name, self.tools.pmem_csi(), format!("{name}.log"))
-                .args(std::iter::once("controller").chain(args.iter().copied()))
-                .env("KUBECONFIG", self.admin_kubeconfig()),
-        )
+    /// Starts a supervised `pmem-csi controller` as the manifests run it, changed by
+    /// `overrides` (test items as [`manifests::Overrides::from_args`] reads them), logging to
+    /// `logs/<name>.log`. With `--webhook-address` among them it runs as the scheduler-extender
+    /// component configures it, otherwise as the base does.
+    pub fn supervise_controller(
+        &self,
+        name: &str,
+        overrides: &[&str],
+    ) -> Result<Supervised, TestEnvError> {
+        let spec = self.our_process(
+            manifests::OurContainer::Controller,
+            name,
+            &format!("{name}.log"),
+            &manifests::Overrides::from_args(overrides),
+        )?;
+        Ok(self.supervise(spec))
     }
 
     /// The extender's route and admin addresses, when it runs.

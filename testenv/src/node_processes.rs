@@ -10,14 +10,15 @@ use k8s_openapi::api::storage::v1::CSINode;
 use kube::Api;
 use kube::api::PostParams;
 
+use crate::manifests::{ManifestError, OurContainer, Overrides, PodFacts, Rendered};
 use crate::node_driver::{self, NodeDriverDirs};
 use crate::nodes::NodeSpec;
 use crate::process::{ProcessSpec, Supervised};
 use crate::tools::Tools;
 use crate::wait::Timeout;
 
-/// Namespace of the driver's objects (capacity, heartbeats) in testenv.
-pub const DRIVER_NAMESPACE: &str = "pmem-csi";
+/// Namespace of the driver's objects (capacity, heartbeats): the manifests'.
+pub const DRIVER_NAMESPACE: &str = crate::manifests::NAMESPACE;
 
 /// How simulated nodes run the driver.
 #[derive(Clone, Debug)]
@@ -70,6 +71,14 @@ pub enum NodeProcessesError {
         /// Why.
         source: Timeout,
     },
+    /// The manifests do not describe the node's containers as testenv needs.
+    #[error("starting the processes of {node}: {source}")]
+    Manifest {
+        /// Node.
+        node: String,
+        /// Why.
+        source: ManifestError,
+    },
     /// The CSINode could not be updated.
     #[error("registering the driver in CSINode {node}: {source}")]
     CsiNode {
@@ -80,49 +89,55 @@ pub enum NodeProcessesError {
     },
 }
 
-/// Arguments of `pmem-csi node` for `node` as testenv runs it.
-pub fn driver_args(node: &str, dirs: &NodeDriverDirs, options: &DriverOptions) -> Vec<String> {
-    let mut args = vec![
-        "node".to_string(),
-        format!("--endpoint=unix://{}", dirs.socket.display()),
-        format!("--node-id={node}"),
-        format!("--device-mode={}", options.device_mode),
-        format!("--emulated-size={}", options.size),
-        format!("--state-dir={}", dirs.state.display()),
-        format!("--namespace={DRIVER_NAMESPACE}"),
-        "--heartbeat-period=1s".into(),
-    ];
-    if options.device_mode == "emulated" {
-        args.push(format!("--emulated-dir={}", dirs.region.display()));
-    }
-    if !options
-        .extra_args
-        .iter()
-        .any(|a| a.starts_with("--admin-address"))
-    {
-        args.push("--admin-address=127.0.0.1:0".into());
-    }
-    args.extend(options.extra_args.iter().cloned());
-    args
+/// testenv's overrides of the rendered `pmem-csi node` container for `node` (see
+/// [`Overrides`]): its paths, budget and admin port, a 1 s heartbeat, then the test's own flags.
+pub fn driver_overrides(dirs: &NodeDriverDirs, options: &DriverOptions) -> Overrides {
+    let mut overrides = Overrides::new()
+        .set("--endpoint", format!("unix://{}", dirs.socket.display()))
+        .set("--device-mode", options.device_mode.clone())
+        .set("--emulated-size", options.size.clone())
+        .set("--state-dir", dirs.state.display().to_string())
+        .set("--admin-address", "127.0.0.1:0")
+        .set("--heartbeat-period", "1s");
+    overrides = if options.device_mode == "emulated" {
+        overrides.set("--emulated-dir", dirs.region.display().to_string())
+    } else {
+        overrides.remove("--emulated-dir")
+    };
+    overrides.and(&Overrides::from_args(&options.extra_args))
 }
 
-/// Arguments of csi-provisioner in node-deployment mode (tests keep immediate binding on with
-/// a 1 s base delay; no `--enable-capacity`: the driver publishes capacity itself).
-pub fn provisioner_args(socket: &Path, kubeconfig: &Path) -> Vec<String> {
-    vec![
-        format!("--csi-address={}", socket.display()),
-        format!("--kubeconfig={}", kubeconfig.display()),
-        "--node-deployment=true".into(),
-        "--strict-topology=true".into(),
-        "--immediate-topology=false".into(),
-        "--feature-gates=Topology=true".into(),
-        "--extra-create-metadata=true".into(),
-        "--timeout=30s".into(),
-        "--node-deployment-base-delay=1s".into(),
-        "--node-deployment-max-delay=5s".into(),
-        "--leader-election=false".into(),
-        "--v=3".into(),
-    ]
+/// testenv's overrides of the rendered csi-provisioner container: the node's socket, a
+/// ServiceAccount kubeconfig instead of in-cluster config, short timeouts and delays, and no
+/// metrics endpoint (every node shares 127.0.0.1).
+pub fn provisioner_overrides(socket: &Path, kubeconfig: &Path) -> Overrides {
+    Overrides::new()
+        .set("--csi-address", socket.display().to_string())
+        .set("--kubeconfig", kubeconfig.display().to_string())
+        .set("--timeout", "30s")
+        .set("--node-deployment-base-delay", "1s")
+        .set("--node-deployment-max-delay", "5s")
+        .remove("--metrics-address")
+        .remove("--http-endpoint")
+}
+
+/// Process `name` of rendered container `which`, as pod `pod` would run it with `overrides`:
+/// `program` with the rendered command line and environment.
+pub fn container_process(
+    manifests: &Rendered,
+    which: OurContainer,
+    name: &str,
+    program: &Path,
+    pod: &PodFacts,
+    log: impl Into<std::path::PathBuf>,
+    overrides: &Overrides,
+) -> Result<ProcessSpec, ManifestError> {
+    let launch = manifests.launch(which)?;
+    let mut spec = ProcessSpec::new(name, program, log).args(launch.command_line(pod, overrides)?);
+    for (key, value) in launch.environment(pod)? {
+        spec = spec.env(key, value);
+    }
+    Ok(spec)
 }
 
 /// What every node's processes share.
@@ -134,8 +149,10 @@ pub struct NodeLauncher {
     pub tools: Tools,
     /// The testenv's work directory.
     pub root: std::path::PathBuf,
-    /// Kubeconfig the processes use.
+    /// Kubeconfig the processes use (the node ServiceAccount's).
     pub kubeconfig: std::path::PathBuf,
+    /// The rendered manifests the processes are started from.
+    pub manifests: std::sync::Arc<Rendered>,
     /// Driver name.
     pub driver_name: String,
     /// How the driver runs.
@@ -166,12 +183,25 @@ impl NodeLauncher {
     ) -> Result<NodeProcesses, NodeProcessesError> {
         let kubeconfig = kubeconfig.unwrap_or(&self.kubeconfig);
         let dirs = NodeDriverDirs::under(&self.root.join("nodes").join(&node.name));
-        let mut spec = ProcessSpec::new(
-            format!("{}/pmem-csi", node.name),
+        let manifest_error = |source| NodeProcessesError::Manifest {
+            node: node.name.clone(),
+            source,
+        };
+        let pod = PodFacts {
+            name: format!("pmem-csi-intel-com-node-{}", node.name),
+            namespace: DRIVER_NAMESPACE.into(),
+            node_name: node.name.clone(),
+        };
+        let mut spec = container_process(
+            &self.manifests,
+            OurContainer::NodeDriver,
+            &format!("{}/pmem-csi", node.name),
             self.tools.pmem_csi(),
+            &pod,
             format!("{}-pmem-csi.log", node.name),
+            &driver_overrides(&dirs, &self.options),
         )
-        .args(driver_args(&node.name, &dirs, &self.options))
+        .map_err(manifest_error)?
         .env("KUBECONFIG", kubeconfig);
         for (k, v) in &self.options.env {
             spec = spec.env(k, v);
@@ -192,13 +222,16 @@ impl NodeLauncher {
                 })?;
         }
         let provisioner = supervise(
-            ProcessSpec::new(
-                format!("{}/csi-provisioner", node.name),
-                self.tools.go("csi-provisioner"),
+            container_process(
+                &self.manifests,
+                OurContainer::Provisioner,
+                &format!("{}/csi-provisioner", node.name),
+                &self.tools.go("csi-provisioner"),
+                &pod,
                 format!("{}-csi-provisioner.log", node.name),
+                &provisioner_overrides(&dirs.socket, kubeconfig),
             )
-            .args(provisioner_args(&dirs.socket, kubeconfig))
-            .env("NODE_NAME", &node.name),
+            .map_err(manifest_error)?,
         );
         Ok(NodeProcesses {
             node: node.name.clone(),

@@ -1,0 +1,195 @@
+//! Our processes talk to the API server as the manifests' ServiceAccounts, never as admin: the
+//! rendered Namespace, CSIDriver, StorageClasses, ServiceAccounts and RBAC are applied, and each
+//! ServiceAccount gets a kubeconfig whose `tokenFile` holds a TokenRequest token that a
+//! background task renews (kube-rs and client-go both re-read token files every minute).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+use k8s_openapi::api::core::v1::ServiceAccount;
+use kube::api::{DynamicObject, Patch, PatchParams, PostParams};
+use kube::core::GroupVersionKind;
+use kube::discovery::{Scope, pinned_kind};
+use kube::{Api, Client};
+use tokio_util::sync::CancellationToken;
+
+use crate::kubeconfig::{self, Credentials};
+use crate::manifests::{APPLIED_KINDS, Rendered};
+
+/// Lifetime of each token; renewed at a third of it so a slow test never sees one expire.
+pub const TOKEN_LIFETIME: Duration = Duration::from_secs(3600);
+
+/// What can go wrong applying manifests or issuing tokens.
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceAccountError {
+    /// An object could not be applied.
+    #[error("applying {kind} {name}: {source}")]
+    Apply {
+        /// Its kind.
+        kind: String,
+        /// Its name.
+        name: String,
+        /// Why.
+        source: kube::Error,
+    },
+    /// A rendered object is malformed.
+    #[error("rendered object {0} has no apiVersion/kind/name")]
+    Malformed(String),
+    /// A token could not be requested.
+    #[error("TokenRequest for {namespace}/{name}: {source}")]
+    Token {
+        /// Namespace.
+        namespace: String,
+        /// ServiceAccount.
+        name: String,
+        /// Why.
+        source: kube::Error,
+    },
+    /// The API answered without a token.
+    #[error("TokenRequest for {0} returned no token")]
+    EmptyToken(String),
+    /// A file could not be written.
+    #[error("writing {path}: {source}")]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A kubeconfig could not be written.
+    #[error(transparent)]
+    Kubeconfig(#[from] kubeconfig::KubeconfigError),
+}
+
+/// Server-side applies the rendered objects of [`APPLIED_KINDS`] as field manager `testenv`,
+/// in rendered order (kustomize sorts Namespaces and RBAC first).
+pub async fn apply(client: &Client, rendered: &Rendered) -> Result<(), ServiceAccountError> {
+    let params = PatchParams::apply("testenv").force();
+    for object in rendered.of_kinds(APPLIED_KINDS) {
+        let api_version = object["apiVersion"].as_str().unwrap_or_default();
+        let kind = object["kind"].as_str().unwrap_or_default();
+        let name = object["metadata"]["name"].as_str().unwrap_or_default();
+        if api_version.is_empty() || kind.is_empty() || name.is_empty() {
+            return Err(ServiceAccountError::Malformed(format!("{object:?}")));
+        }
+        let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
+        let apply_error = |source| ServiceAccountError::Apply {
+            kind: kind.into(),
+            name: name.into(),
+            source,
+        };
+        let (resource, capabilities) =
+            pinned_kind(client, &GroupVersionKind::gvk(group, version, kind))
+                .await
+                .map_err(apply_error)?;
+        let api: Api<DynamicObject> = match capabilities.scope {
+            Scope::Cluster => Api::all_with(client.clone(), &resource),
+            Scope::Namespaced => Api::namespaced_with(
+                client.clone(),
+                object["metadata"]["namespace"]
+                    .as_str()
+                    .unwrap_or(crate::manifests::NAMESPACE),
+                &resource,
+            ),
+        };
+        api.patch(name, &params, &Patch::Apply(object))
+            .await
+            .map_err(apply_error)?;
+    }
+    Ok(())
+}
+
+/// Kubeconfigs of ServiceAccounts, their tokens kept fresh until `shutdown`.
+#[derive(Debug, Default)]
+pub struct ServiceAccountKubeconfigs {
+    by_name: BTreeMap<String, PathBuf>,
+}
+
+impl ServiceAccountKubeconfigs {
+    /// Issues a token and writes `<dir>/sa-<name>.kubeconfig` for each of `names` in
+    /// `namespace`, then renews the tokens in the background until `shutdown`.
+    pub async fn issue(
+        client: &Client,
+        namespace: &str,
+        names: &[String],
+        dir: &Path,
+        server: &str,
+        ca_file: &Path,
+        shutdown: CancellationToken,
+    ) -> Result<Self, ServiceAccountError> {
+        let mut by_name = BTreeMap::new();
+        let mut token_files = Vec::new();
+        for name in names {
+            let token_file = dir.join(format!("sa-{name}.token"));
+            write_token(client, namespace, name, &token_file).await?;
+            let path = kubeconfig::write(
+                dir,
+                &format!("sa-{name}"),
+                server,
+                ca_file,
+                Credentials::TokenFile(&token_file),
+            )?;
+            by_name.insert(name.clone(), path);
+            token_files.push((name.clone(), token_file));
+        }
+        let client = client.clone();
+        let namespace = namespace.to_string();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    () = tokio::time::sleep(TOKEN_LIFETIME / 3) => {}
+                }
+                for (name, file) in &token_files {
+                    if let Err(e) = write_token(&client, &namespace, name, file).await {
+                        tracing::warn!("renewing the token of {namespace}/{name}: {e}");
+                    }
+                }
+            }
+        });
+        Ok(Self { by_name })
+    }
+
+    /// The kubeconfig of ServiceAccount `name`.
+    pub fn get(&self, name: &str) -> Option<&Path> {
+        self.by_name.get(name).map(PathBuf::as_path)
+    }
+}
+
+/// Requests a token for `namespace/name` and replaces `file` with it atomically.
+async fn write_token(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    file: &Path,
+) -> Result<(), ServiceAccountError> {
+    let request = TokenRequest {
+        spec: Some(TokenRequestSpec {
+            expiration_seconds: Some(TOKEN_LIFETIME.as_secs() as i64),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let answer = Api::<ServiceAccount>::namespaced(client.clone(), namespace)
+        .create_token_request(name, &PostParams::default(), &request)
+        .await
+        .map_err(|source| ServiceAccountError::Token {
+            namespace: namespace.into(),
+            name: name.into(),
+            source,
+        })?;
+    let token = answer
+        .status
+        .and_then(|s| s.token)
+        .filter(|t| !t.is_empty())
+        .ok_or_else(|| ServiceAccountError::EmptyToken(format!("{namespace}/{name}")))?;
+    let temporary = file.with_extension("token.new");
+    let write_error = |source| ServiceAccountError::Write {
+        path: file.to_path_buf(),
+        source,
+    };
+    std::fs::write(&temporary, token).map_err(write_error)?;
+    std::fs::rename(&temporary, file).map_err(write_error)
+}
