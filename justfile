@@ -29,10 +29,16 @@ lint:
 fmt:
     cargo fmt --all
 
-# Unit tests, then the integration tests against a real control plane (serialized: 2 cores).
+# API server audit logs of the integration run, judged by tests/least_privilege.rs.
+audit_dir := env_var_or_default("CARGO_TARGET_DIR", justfile_directory() / "target") / "audit"
+
+# Unit tests, then the integration tests against a real control plane (serialized: 2 cores),
+# then least privilege judged over their audit logs.
 test: tools build
     cargo test --workspace --lib --bins
-    cargo test --workspace --test '*' -- --test-threads=1
+    rm -rf "{{audit_dir}}"
+    PMEM_CSI_AUDIT_DIR="{{audit_dir}}" cargo test --workspace --test '*' -- --test-threads=1
+    PMEM_CSI_AUDIT_DIR="{{audit_dir}}" cargo test --test least_privilege -- --ignored --nocapture
     cargo run --quiet -p bench -- run --smoke
     cargo run --quiet -p bench -- check
 

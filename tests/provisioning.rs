@@ -152,3 +152,42 @@ async fn late_binding_claim_is_provisioned_on_the_scheduled_node_and_cleaned_up(
     .await
     .expect("deleted");
 }
+
+#[tokio::test]
+async fn claim_selected_for_a_node_without_room_goes_back_to_the_scheduler() {
+    let env = env();
+    let client = env.client().await.expect("client");
+    objects::ensure_csi_driver(&client, DRIVER)
+        .await
+        .expect("CSIDriver");
+    let ns = testenv::test_namespace(&client, "noroom")
+        .await
+        .expect("ns");
+    let class = format!("{ns}-pmem");
+    objects::create_storage_class(&client, &class, DRIVER, "WaitForFirstConsumer")
+        .await
+        .expect("class");
+    // Every node has 1Gi: the node's provisioner gets ResourceExhausted from CreateVolume and
+    // hands the claim back by removing selected-node (an update under the node's account).
+    let claims = Api::<PersistentVolumeClaim>::namespaced(client.clone(), &ns);
+    claims
+        .create(
+            &PostParams::default(),
+            &objects::selected_for(objects::claim(&ns, "big", &class, "4Gi"), "node-1"),
+        )
+        .await
+        .expect("claim");
+    until("selected-node to be removed", WAIT, || async {
+        match objects::selected_node(&claims, "big").await {
+            None => Ok(()),
+            Some(node) => Err(format!("still selected for {node}")),
+        }
+    })
+    .await
+    .expect("handed back");
+    let claim = claims.get("big").await.expect("claim");
+    assert!(
+        claim.spec.and_then(|s| s.volume_name).is_none(),
+        "nothing was provisioned"
+    );
+}

@@ -1,0 +1,222 @@
+//! The manifests: every kustomization renders with the tool cache's kubectl and passes
+//! `kubectl apply --dry-run=server` against testenv's real API server, and the values that must
+//! agree across containers do.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_yaml::Value;
+use testenv::manifests::{self, OurContainer, Rendered, flag_value};
+use testenv::{TestEnv, TestEnvBuilder};
+
+fn env() -> &'static TestEnv {
+    fn configure() -> TestEnvBuilder {
+        TestEnv::builder()
+    }
+    TestEnv::shared(configure)
+}
+
+fn repo() -> &'static Path {
+    testenv::tools::repo_root()
+}
+
+/// A scratch kustomization of `resource` plus the scheduler-extender component.
+fn with_component(scratch: &Path, name: &str, resource: &str) -> PathBuf {
+    let dir = scratch.join(name);
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    let dir = dir.canonicalize().expect("canonical");
+    let root = repo().canonicalize().expect("repo");
+    std::fs::write(
+        dir.join("kustomization.yaml"),
+        format!(
+            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n- {}\ncomponents:\n- {}\n",
+            manifests::relative(&dir, &root.join(resource)).display(),
+            manifests::relative(&dir, &root.join(manifests::COMPONENT)).display(),
+        ),
+    )
+    .expect("kustomization");
+    dir
+}
+
+#[test]
+fn every_kustomization_renders_and_the_api_server_accepts_it() {
+    let env = env();
+    let kubectl = env.tools().go("kubectl");
+    let scratch = tempfile::tempdir().expect("scratch");
+    let dirs = [
+        ("base", repo().join("manifests/base")),
+        ("overlays/emulated", repo().join(manifests::OVERLAY)),
+        (
+            "base + component",
+            with_component(scratch.path(), "base-ext", "manifests/base"),
+        ),
+        (
+            "overlays/emulated + component",
+            with_component(scratch.path(), "emulated-ext", manifests::OVERLAY),
+        ),
+        ("examples", repo().join("manifests/examples")),
+    ];
+    for (name, dir) in dirs {
+        let yaml = manifests::kustomize(&kubectl, &dir)
+            .unwrap_or_else(|e| panic!("{name} does not render: {e}"));
+        let rendered = Rendered::from_yaml(&yaml).expect("YAML");
+        assert!(
+            rendered.objects().len() >= 3,
+            "{name}: only {} objects",
+            rendered.objects().len()
+        );
+        let file = scratch
+            .path()
+            .join(format!("{}.yaml", name.replace(['/', ' ', '+'], "_")));
+        std::fs::write(&file, &yaml).expect("write rendering");
+        let mut command = Command::new(&kubectl);
+        command
+            .arg("--kubeconfig")
+            .arg(env.admin_kubeconfig())
+            .args(["apply", "--dry-run=server", "-f"])
+            .arg(&file);
+        if name == "examples" {
+            // The examples go into the user's namespace.
+            command.args(["--namespace", "default"]);
+        }
+        let output = command.output().expect("kubectl");
+        assert!(
+            output.status.success(),
+            "{name}: kubectl apply --dry-run=server failed:\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        // testenv applied the ServiceAccounts and RBAC server-side, so client-side apply
+        // notes their missing last-applied annotation; any other warning is ours.
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        let warnings: Vec<&str> = stderr
+            .lines()
+            .filter(|l| l.contains("Warning") && !l.contains("last-applied-configuration"))
+            .collect();
+        assert!(
+            warnings.is_empty(),
+            "{name}: the API server warned:\n{}",
+            warnings.join("\n")
+        );
+    }
+}
+
+fn containers<'a>(rendered: &'a Rendered, kind: &str, name: &str) -> Vec<&'a Value> {
+    rendered
+        .pod_spec(kind, name)
+        .unwrap_or_else(|| panic!("no {kind} {name}"))["containers"]
+        .as_sequence()
+        .into_iter()
+        .flatten()
+        .collect()
+}
+
+fn args(container: &Value) -> Vec<String> {
+    ["command", "args"]
+        .iter()
+        .flat_map(|k| container[*k].as_sequence().cloned().unwrap_or_default())
+        .filter_map(|v| v.as_str().map(str::to_string))
+        .collect()
+}
+
+fn port_of(address: &str) -> Option<u16> {
+    address.rsplit_once(':').and_then(|(_, p)| p.parse().ok())
+}
+
+/// A probe's port: a number, or the name of one of the container's ports.
+fn probe_port(container: &Value, probe: &Value) -> Option<u16> {
+    let port = &probe["httpGet"]["port"];
+    if let Some(n) = port.as_u64() {
+        return u16::try_from(n).ok();
+    }
+    let name = port.as_str()?;
+    container["ports"]
+        .as_sequence()?
+        .iter()
+        .find(|p| p["name"].as_str() == Some(name))
+        .and_then(|p| p["containerPort"].as_u64())
+        .and_then(|n| u16::try_from(n).ok())
+}
+
+#[test]
+fn probes_selectors_and_sockets_agree() {
+    let rendered = env().manifests();
+    let workloads = [
+        ("DaemonSet", "pmem-csi-intel-com-node"),
+        ("Deployment", "pmem-csi-intel-com-controller"),
+        ("DaemonSet", "pmem-csi-intel-com-extender"),
+    ];
+    let mut probed = 0;
+    for (kind, name) in workloads {
+        for container in containers(rendered, kind, name) {
+            let cname = container["name"].as_str().unwrap_or_default();
+            let line = args(container);
+            let admin = flag_value(&line, "--admin-address")
+                .or_else(|| flag_value(&line, "--http-endpoint"))
+                .and_then(port_of);
+            for probe in ["startupProbe", "livenessProbe", "readinessProbe"] {
+                let probe = &container[probe];
+                if probe.is_null() {
+                    continue;
+                }
+                probed += 1;
+                assert_eq!(
+                    probe_port(container, probe),
+                    admin,
+                    "{kind} {name} container {cname}: probe port and admin port differ"
+                );
+            }
+        }
+    }
+    assert!(probed >= 6, "only {probed} probes found");
+
+    let selector: BTreeMap<String, String> = serde_yaml::from_value(
+        rendered
+            .pod_spec("DaemonSet", "pmem-csi-intel-com-node")
+            .expect("node DaemonSet")["nodeSelector"]
+            .clone(),
+    )
+    .expect("nodeSelector");
+    assert!(
+        !selector.is_empty(),
+        "the node DaemonSet needs a nodeSelector"
+    );
+    for which in [OurContainer::Controller, OurContainer::Extender] {
+        let launch = rendered.launch(which).expect("container");
+        let value = flag_value(&launch.args, "--node-selector")
+            .unwrap_or_else(|| panic!("{which:?} has no --node-selector"));
+        let parsed: BTreeMap<String, String> = value
+            .split(',')
+            .filter_map(|kv| kv.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        assert_eq!(parsed, selector, "{which:?} --node-selector={value}");
+    }
+    let controller_base = env()
+        .manifests_base()
+        .launch(OurContainer::Controller)
+        .expect("base controller");
+    assert_eq!(
+        flag_value(&controller_base.args, "--node-selector"),
+        flag_value(
+            &rendered.launch(OurContainer::Controller).expect("c").args,
+            "--node-selector"
+        ),
+        "the component must not change the selector"
+    );
+
+    let driver = rendered.launch(OurContainer::NodeDriver).expect("driver");
+    let endpoint = flag_value(&driver.args, "--endpoint").expect("--endpoint");
+    let socket = endpoint.strip_prefix("unix://").expect("unix endpoint");
+    for container in containers(rendered, "DaemonSet", "pmem-csi-intel-com-node") {
+        let line = args(container);
+        if let Some(address) = flag_value(&line, "--csi-address") {
+            assert_eq!(
+                address.trim_start_matches("unix://"),
+                socket,
+                "{} --csi-address",
+                container["name"].as_str().unwrap_or_default()
+            );
+        }
+    }
+}
