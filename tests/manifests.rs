@@ -220,3 +220,65 @@ fn probes_selectors_and_sockets_agree() {
         }
     }
 }
+
+#[test]
+fn kubelet_dir_is_set_in_one_place() {
+    // What the README tells users: a Component patching the ConfigMap, then kubelet-dir again.
+    let kubectl = env().tools().go("kubectl");
+    let scratch = tempfile::tempdir().expect("scratch");
+    let dir = scratch.path().canonicalize().expect("canonical");
+    let root = repo().canonicalize().expect("repo");
+    std::fs::create_dir_all(dir.join("set")).expect("component dir");
+    std::fs::write(
+        dir.join("set/kustomization.yaml"),
+        "apiVersion: kustomize.config.k8s.io/v1alpha1\nkind: Component\npatches:\n- patch: |-\n    apiVersion: v1\n    kind: ConfigMap\n    metadata:\n      name: pmem-csi-kubelet-dir\n      namespace: pmem-csi\n    data:\n      kubeletDir: /data/kubelet\n",
+    )
+    .expect("component");
+    std::fs::write(
+        dir.join("kustomization.yaml"),
+        format!(
+            "resources:\n- {}\ncomponents:\n- set\n- {}\n",
+            manifests::relative(&dir, &root.join(manifests::OVERLAY)).display(),
+            manifests::relative(&dir, &root.join("manifests/components/kubelet-dir")).display(),
+        ),
+    )
+    .expect("kustomization");
+    let yaml = manifests::kustomize(&kubectl, &dir).expect("render");
+    assert!(
+        !yaml.contains("/var/lib/kubelet"),
+        "a path still names the default kubelet dir"
+    );
+    let rendered = Rendered::from_yaml(&yaml).expect("YAML");
+    assert!(
+        rendered
+            .object("ConfigMap", "pmem-csi-kubelet-dir")
+            .is_none(),
+        "the ConfigMap is local configuration, never applied"
+    );
+    let spec = rendered
+        .pod_spec("DaemonSet", "pmem-csi-intel-com-node")
+        .expect("node DaemonSet");
+    let host_paths: Vec<&str> = spec["volumes"]
+        .as_sequence()
+        .into_iter()
+        .flatten()
+        .filter_map(|v| v["hostPath"]["path"].as_str())
+        .filter(|p| p.contains("kubelet"))
+        .collect();
+    assert_eq!(host_paths.len(), 4, "{host_paths:?}");
+    assert!(
+        host_paths.iter().all(|p| p.starts_with("/data/kubelet/")),
+        "{host_paths:?}"
+    );
+    let registrar = containers(&rendered, "DaemonSet", "pmem-csi-intel-com-node")
+        .into_iter()
+        .find(|c| c["name"].as_str() == Some("driver-registrar"))
+        .expect("registrar");
+    let kubelet_dir = registrar["env"]
+        .as_sequence()
+        .into_iter()
+        .flatten()
+        .find(|e| e["name"].as_str() == Some("KUBELET_DIR"))
+        .and_then(|e| e["value"].as_str());
+    assert_eq!(kubelet_dir, Some("/data/kubelet"));
+}

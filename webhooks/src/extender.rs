@@ -242,7 +242,8 @@ impl Extender {
                 source,
             })?;
         let mut tasks = JoinSet::new();
-        let node_stores = NodeStores::start(&client, &config.liveness.namespace, &mut tasks);
+        let namespace = config.liveness.namespace.clone();
+        let node_stores = NodeStores::start(&client, &namespace, &mut tasks);
         let liveness = LivenessView::new(config.liveness.clone(), node_stores.clone());
         let state = Arc::new(Mutex::new(ExtenderState::new(
             &config.liveness.driver,
@@ -279,8 +280,9 @@ impl Extender {
             shared.clone(),
             &mut tasks,
         ));
+        // Our nodes publish into the driver's namespace only, so a Role suffices.
         watches_synced.push(feed(
-            Api::<CSIStorageCapacity>::all(client.clone()),
+            Api::<CSIStorageCapacity>::namespaced(client.clone(), &namespace),
             watcher::Config::default().labels(&driver_label),
             shared.clone(),
             &mut tasks,
