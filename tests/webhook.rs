@@ -173,7 +173,7 @@ async fn webhook() {
         .create(
             &PostParams::default(),
             &objects::pod_webhook_configuration(
-                CONFIGURATION,
+                env.manifests(),
                 &[
                     (
                         "a.pmem-csi.intel.com",
@@ -185,7 +185,8 @@ async fn webhook() {
                     ),
                 ],
                 "Fail",
-            ),
+            )
+            .expect("the manifests' webhook"),
         )
         .await
         .expect("webhook configuration");

@@ -292,58 +292,46 @@ pub async fn failed_scheduling(
     Ok(events.items.into_iter().filter_map(|e| e.message).collect())
 }
 
-/// A MutatingWebhookConfiguration `name` for pod CREATE, one webhook per `(name, url)`, with
-/// the opt-out label excluded by namespace and object selectors as the manifests do, and no
-/// `caBundle` (the controller injects it).
+/// The manifests' MutatingWebhookConfiguration as testenv can use it: its webhook (rules,
+/// opt-out selectors, side effects, timeout) once per `(name, url)` — one per replica, since
+/// replicas on 127.0.0.1 have ports of their own and no Service routes to them — with a URL
+/// instead of the Service, and `failure_policy` (tests use `Fail` to count failed calls).
 pub fn pod_webhook_configuration(
-    name: &str,
+    rendered: &crate::manifests::Rendered,
     webhooks: &[(&str, String)],
     failure_policy: &str,
-) -> k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration {
+) -> Result<k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration, String> {
     use k8s_openapi::api::admissionregistration::v1::{
-        MutatingWebhook, MutatingWebhookConfiguration, RuleWithOperations, WebhookClientConfig,
+        MutatingWebhookConfiguration, WebhookClientConfig,
     };
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
-    let opt_out = LabelSelector {
-        match_expressions: Some(vec![LabelSelectorRequirement {
-            key: "pmem-csi.intel.com/webhook".into(),
-            operator: "NotIn".into(),
-            values: Some(vec!["ignore".into()]),
-        }]),
-        ..Default::default()
-    };
-    MutatingWebhookConfiguration {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            ..Default::default()
-        },
-        webhooks: Some(
-            webhooks
-                .iter()
-                .map(|(webhook, url)| MutatingWebhook {
-                    name: (*webhook).into(),
-                    admission_review_versions: vec!["v1".into()],
-                    client_config: WebhookClientConfig {
-                        url: Some(url.clone()),
-                        ..Default::default()
-                    },
-                    failure_policy: Some(failure_policy.into()),
-                    namespace_selector: Some(opt_out.clone()),
-                    object_selector: Some(opt_out.clone()),
-                    rules: Some(vec![RuleWithOperations {
-                        api_groups: Some(vec!["".into()]),
-                        api_versions: Some(vec!["v1".into()]),
-                        operations: Some(vec!["CREATE".into()]),
-                        resources: Some(vec!["pods".into()]),
-                        scope: Some("Namespaced".into()),
-                    }]),
-                    side_effects: "None".into(),
-                    timeout_seconds: Some(5),
+    let object = rendered
+        .of_kinds(&["MutatingWebhookConfiguration"])
+        .next()
+        .ok_or("the manifests have no MutatingWebhookConfiguration")?;
+    let mut configuration: MutatingWebhookConfiguration =
+        serde_yaml::from_value(object.clone()).map_err(|e| e.to_string())?;
+    let template = configuration
+        .webhooks
+        .as_ref()
+        .and_then(|w| w.first())
+        .cloned()
+        .ok_or("the MutatingWebhookConfiguration has no webhook")?;
+    configuration.webhooks = Some(
+        webhooks
+            .iter()
+            .map(|(name, url)| {
+                let mut webhook = template.clone();
+                webhook.name = (*name).into();
+                webhook.client_config = WebhookClientConfig {
+                    url: Some(url.clone()),
                     ..Default::default()
-                })
-                .collect(),
-        ),
-    }
+                };
+                webhook.failure_policy = Some(failure_policy.into());
+                webhook
+            })
+            .collect(),
+    );
+    Ok(configuration)
 }
 
 /// Waits until object `name` no longer exists.
