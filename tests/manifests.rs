@@ -12,7 +12,7 @@ use testenv::{TestEnv, TestEnvBuilder};
 
 fn env() -> &'static TestEnv {
     fn configure() -> TestEnvBuilder {
-        TestEnv::builder()
+        TestEnv::builder().token_renewal(std::time::Duration::from_secs(1))
     }
     TestEnv::shared(configure)
 }
@@ -281,4 +281,52 @@ fn kubelet_dir_is_set_in_one_place() {
         .find(|e| e["name"].as_str() == Some("KUBELET_DIR"))
         .and_then(|e| e["value"].as_str());
     assert_eq!(kubelet_dir, Some("/data/kubelet"));
+}
+
+#[tokio::test]
+async fn service_account_tokens_are_renewed_and_identify_the_account() {
+    use k8s_openapi::api::authentication::v1::SelfSubjectReview;
+    use k8s_openapi::api::coordination::v1::Lease;
+    let env = env();
+    let account = "pmem-csi-intel-com-node";
+    let file = env.service_account_token_file(account).expect("token file");
+    let first = std::fs::read_to_string(&file).expect("token");
+    testenv::wait::until(
+        "the token to be renewed",
+        std::time::Duration::from_secs(60),
+        || async {
+            let now = std::fs::read_to_string(&file).map_err(|e| e.to_string())?;
+            if now != first && !now.is_empty() {
+                Ok(())
+            } else {
+                Err("unchanged".to_string())
+            }
+        },
+    )
+    .await
+    .expect("renewal");
+    let kubeconfig = env.service_account_kubeconfig(account).expect("kubeconfig");
+    let client = testenv::control_plane::client_from(kubeconfig, account)
+        .await
+        .expect("client");
+    // Allowed for the node's account (its heartbeat Lease)…
+    let leases = kube::Api::<Lease>::namespaced(client.clone(), manifests::NAMESPACE);
+    leases
+        .get_opt("no-such-lease")
+        .await
+        .expect("the renewed token authenticates and may read Leases");
+    // …as that account, not as admin (a denial would fail tests/least_privilege.rs, so ask
+    // the API server who we are instead of provoking one).
+    let review = kube::Api::<SelfSubjectReview>::all(client)
+        .create(&Default::default(), &SelfSubjectReview::default())
+        .await
+        .expect("SelfSubjectReview");
+    let user = review
+        .status
+        .and_then(|s| s.user_info)
+        .and_then(|u| u.username);
+    assert_eq!(
+        user.as_deref(),
+        Some("system:serviceaccount:pmem-csi:pmem-csi-intel-com-node")
+    );
 }

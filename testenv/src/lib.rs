@@ -91,6 +91,7 @@ pub struct TestEnvBuilder {
     scheduler: SchedulerConfig,
     drivers: Option<node_processes::DriverOptions>,
     extender: Option<Vec<String>>,
+    token_renewal: std::time::Duration,
 }
 
 impl Default for TestEnvBuilder {
@@ -101,6 +102,7 @@ impl Default for TestEnvBuilder {
             scheduler: SchedulerConfig::default(),
             drivers: None,
             extender: None,
+            token_renewal: service_accounts::TOKEN_LIFETIME / 3,
         }
     }
 }
@@ -142,6 +144,13 @@ impl TestEnvBuilder {
         S: Into<String>,
     {
         self.extender = Some(args.into_iter().map(Into::into).collect());
+        self
+    }
+
+    /// How often the ServiceAccount tokens are renewed (default a third of their lifetime;
+    /// tests shorten it to see renewal work).
+    pub fn token_renewal(mut self, every: std::time::Duration) -> Self {
+        self.token_renewal = every;
         self
     }
 
@@ -262,6 +271,7 @@ impl TestEnv {
             &env.dir().join("pki"),
             &env.server(),
             &env.dir().join("pki/ca.crt"),
+            builder.token_renewal,
             env.shutdown.child_token(),
         )
         .await?;
@@ -483,6 +493,11 @@ impl TestEnv {
     /// The kubeconfig of ServiceAccount `name` of the manifests.
     pub fn service_account_kubeconfig(&self, name: &str) -> Option<&Path> {
         self.accounts.get(name)
+    }
+
+    /// The token file behind [`TestEnv::service_account_kubeconfig`].
+    pub fn service_account_token_file(&self, name: &str) -> Option<PathBuf> {
+        self.accounts.token_file(name)
     }
 
     fn node_kubeconfig(&self) -> Result<PathBuf, TestEnvError> {

@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 use crate::kubeconfig::{self, Credentials};
 use crate::manifests::{APPLIED_KINDS, Rendered};
 
-/// Lifetime of each token; renewed at a third of it so a slow test never sees one expire.
+/// Lifetime of each token; renewed by default at a third of it, so no test sees one expire.
 pub const TOKEN_LIFETIME: Duration = Duration::from_secs(3600);
 
 /// What can go wrong applying manifests or issuing tokens.
@@ -109,7 +109,7 @@ pub struct ServiceAccountKubeconfigs {
 
 impl ServiceAccountKubeconfigs {
     /// Issues a token and writes `<dir>/sa-<name>.kubeconfig` for each of `names` in
-    /// `namespace`, then renews the tokens in the background until `shutdown`.
+    /// `namespace`, then renews the tokens every `renewal` until `shutdown`.
     pub async fn issue(
         client: &Client,
         namespace: &str,
@@ -117,6 +117,7 @@ impl ServiceAccountKubeconfigs {
         dir: &Path,
         server: &str,
         ca_file: &Path,
+        renewal: Duration,
         shutdown: CancellationToken,
     ) -> Result<Self, ServiceAccountError> {
         let mut by_name = BTreeMap::new();
@@ -140,7 +141,7 @@ impl ServiceAccountKubeconfigs {
             loop {
                 tokio::select! {
                     () = shutdown.cancelled() => return,
-                    () = tokio::time::sleep(TOKEN_LIFETIME / 3) => {}
+                    () = tokio::time::sleep(renewal) => {}
                 }
                 for (name, file) in &token_files {
                     if let Err(e) = write_token(&client, &namespace, name, file).await {
@@ -155,6 +156,11 @@ impl ServiceAccountKubeconfigs {
     /// The kubeconfig of ServiceAccount `name`.
     pub fn get(&self, name: &str) -> Option<&Path> {
         self.by_name.get(name).map(PathBuf::as_path)
+    }
+
+    /// The token file of ServiceAccount `name`.
+    pub fn token_file(&self, name: &str) -> Option<PathBuf> {
+        self.get(name).map(|k| k.with_extension("token"))
     }
 }
 

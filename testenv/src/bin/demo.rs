@@ -29,26 +29,14 @@ async fn main() -> anyhow::Result<()> {
         _ = int.recv() => return Ok(()),
         _ = term.recv() => return Ok(()),
     };
-    // What the manifests will install: the CSIDriver (capacity tracking on) and a late-binding class.
-    let client = env.client().await.context("client")?;
-    testenv::objects::ensure_csi_driver(&client, env.driver_name())
-        .await
-        .context("creating the CSIDriver")?;
-    testenv::objects::create_storage_class(
-        &client,
-        "pmem-csi-sc",
-        env.driver_name(),
-        "WaitForFirstConsumer",
-    )
-    .await
-    .context("creating the StorageClass")?;
     let kubectl = env.tools().go("kubectl");
     let names: Vec<&str> = env.nodes().iter().map(|n| n.name.as_str()).collect();
     println!(
         "\ntestenv is up: a real control plane on 127.0.0.1 (etcd, kube-apiserver, \
          kube-controller-manager, kube-scheduler), and on every node pmem-csi node (emulated, 1 GiB) \
-         with csi-provisioner; StorageClass pmem-csi-sc (WaitForFirstConsumer) provisions a claim once a \
-         pod using it is scheduled (no kubelet runs the pod).\n\n  \
+         with csi-provisioner, started from manifests/overlays/emulated under its ServiceAccounts; \
+         StorageClass pmem-csi-sc-ext4 (or -xfs, WaitForFirstConsumer) provisions a claim once a pod \
+         using it is scheduled (no kubelet runs the pod).\n\n  \
          export KUBECONFIG={}\n  \
          alias kubectl={}\n  \
          kubectl get nodes   # {}\n\n  \
