@@ -269,8 +269,7 @@ impl TestEnv {
             manifests::NAMESPACE,
             &names,
             &env.dir().join("pki"),
-            &env.server(),
-            &env.dir().join("pki/ca.crt"),
+            (&env.server(), &env.dir().join("pki/ca.crt")),
             builder.token_renewal,
             env.shutdown.child_token(),
         )

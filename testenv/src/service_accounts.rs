@@ -109,14 +109,14 @@ pub struct ServiceAccountKubeconfigs {
 
 impl ServiceAccountKubeconfigs {
     /// Issues a token and writes `<dir>/sa-<name>.kubeconfig` for each of `names` in
-    /// `namespace`, then renews the tokens every `renewal` until `shutdown`.
+    /// `namespace` (for API server `server` trusted through `ca_file`), then renews the tokens
+    /// every `renewal` until `shutdown`.
     pub async fn issue(
         client: &Client,
         namespace: &str,
         names: &[String],
         dir: &Path,
-        server: &str,
-        ca_file: &Path,
+        (server, ca_file): (&str, &Path),
         renewal: Duration,
         shutdown: CancellationToken,
     ) -> Result<Self, ServiceAccountError> {
