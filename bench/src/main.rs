@@ -36,6 +36,10 @@ enum Command {
         /// Run only the node driver benchmarks and print them; no result file (experiments).
         #[arg(long)]
         driver_only: bool,
+        /// Run only the webhook (`mutate`) or extender (`filter`) load and print it; no result
+        /// file (experiments).
+        #[arg(long, value_parser = ["mutate", "filter"])]
+        load_only: Option<String>,
     },
     /// Render BENCHMARKS.md from bench/results/.
     Render,
@@ -72,9 +76,33 @@ fn main() -> anyhow::Result<()> {
             smoke,
             samples,
             driver_only,
+            load_only,
         } => {
             let samples = if smoke { 1 } else { samples.max(1) };
             let runtime = tokio::runtime::Runtime::new().context("tokio runtime")?;
+            if let Some(which) = load_only {
+                let scale = if smoke {
+                    webhook_load::Scale::smoke()
+                } else {
+                    webhook_load::Scale::full()
+                };
+                let benchmarks = if which == "mutate" {
+                    runtime.block_on(webhook_load::mutate(&scale))?
+                } else {
+                    runtime.block_on(webhook_load::filter(&scale))?
+                };
+                for b in &benchmarks {
+                    println!(
+                        "{}: p50 {:.3} p99 {:.3} max {:.3} {}",
+                        b.name,
+                        report::quantile(&b.samples, 0.5),
+                        report::quantile(&b.samples, 0.99),
+                        report::quantile(&b.samples, 1.0),
+                        b.unit
+                    );
+                }
+                return Ok(());
+            }
             let tools = testenv::Tools::locate().context("locating tools")?;
             let driver_samples = if smoke { 20 } else { samples.max(1) * 100 };
             let mut benchmarks =

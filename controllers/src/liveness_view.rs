@@ -2,7 +2,7 @@
 //! (observed every second, so that "continuously for the grace period" means what it says),
 //! and confirmed with uncached reads before anything is written on its strength.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -47,6 +47,8 @@ pub struct LivenessView {
     settings: Arc<LivenessSettings>,
     stores: NodeStores,
     since: Arc<Mutex<HashMap<String, Instant>>>,
+    /// The nodes the last background pass judged definitely driverless.
+    driverless: Arc<Mutex<Arc<HashSet<String>>>>,
 }
 
 impl LivenessView {
@@ -56,6 +58,7 @@ impl LivenessView {
             settings: Arc::new(settings),
             stores,
             since: Arc::default(),
+            driverless: Arc::default(),
         }
     }
 
@@ -99,6 +102,16 @@ impl LivenessView {
         liveness
     }
 
+    /// The nodes the latest background pass ([`LivenessView::run`]) judged definitely
+    /// driverless: a snapshot for hot paths (the extender's /filter asks about thousands of nodes
+    /// per call and must not observe each), at most a pass old.
+    pub fn driverless_nodes(&self) -> Arc<HashSet<String>> {
+        self.driverless
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
     /// Observes every known node (and every node judged before) once per second until
     /// `shutdown`, so that a recovery between two reconciles resets the grace.
     pub async fn run(self, shutdown: CancellationToken) {
@@ -119,9 +132,16 @@ impl LivenessView {
             );
             nodes.sort();
             nodes.dedup();
+            let mut driverless = HashSet::new();
             for node in nodes {
-                self.judge(&node);
+                if let Liveness::DefinitelyNotRunning(_) = self.judge(&node) {
+                    driverless.insert(node);
+                }
             }
+            *self
+                .driverless
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner) = Arc::new(driverless);
             tokio::select! {
                 _ = tokio::time::sleep(OBSERVE_EVERY) => {}
                 _ = shutdown.cancelled() => return,

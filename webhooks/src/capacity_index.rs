@@ -135,10 +135,16 @@ pub struct CapacityIndex {
     /// PV name → its key in `volumes`.
     volume_keys: HashMap<String, VolumeKey>,
     pods: HashMap<String, PodRecord>,
-    capacity: HashMap<String, CapacityRecord>,
+    // Looked up once per candidate node on every /filter: a fast hash (node names come from
+    // the API server, not from the request's author alone, and kube-scheduler sends only names
+    // of nodes it knows).
+    capacity: HashMap<String, CapacityRecord, NodeHasher>,
     allocations: HashMap<VolumeKey, Allocation>,
-    by_node: HashMap<String, HashSet<VolumeKey>>,
+    by_node: HashMap<String, HashSet<VolumeKey>, NodeHasher>,
 }
+
+/// The hasher of maps keyed by node name on the /filter path.
+pub type NodeHasher = foldhash::quality::RandomState;
 
 impl CapacityIndex {
     /// An empty index for `driver`; claims and inline volumes without a size count as
@@ -153,9 +159,9 @@ impl CapacityIndex {
             volumes: HashMap::new(),
             volume_keys: HashMap::new(),
             pods: HashMap::new(),
-            capacity: HashMap::new(),
+            capacity: HashMap::default(),
             allocations: HashMap::new(),
-            by_node: HashMap::new(),
+            by_node: HashMap::default(),
         }
     }
 
@@ -480,12 +486,27 @@ impl CapacityIndex {
     /// What `node` has allocated, leaving out `own_claims` (the filtered pod's, which count as
     /// its demand instead).
     pub fn usage(&self, node: &str, own_claims: &[(String, String)]) -> NodeUsage {
+        let mut unreflected = Vec::new();
+        let (published, allocated) = self.usage_into(node, own_claims, &mut unreflected);
+        NodeUsage {
+            published: published.cloned(),
+            allocated,
+            unreflected,
+        }
+    }
+
+    /// [`CapacityIndex::usage`] without allocating: the published capacity by reference, the
+    /// allocated bytes, and the unreflected sizes appended to `unreflected` (the extender's
+    /// /filter asks for thousands of nodes per call).
+    pub fn usage_into(
+        &self,
+        node: &str,
+        own_claims: &[(String, String)],
+        unreflected: &mut Vec<u64>,
+    ) -> (Option<&PublishedCapacity>, u64) {
         let record = self.capacity.get(node);
         let alignment = record.map(|r| r.published.alignment).unwrap_or(1);
-        let mut usage = NodeUsage {
-            published: record.map(|r| r.published.clone()),
-            ..NodeUsage::default()
-        };
+        let mut allocated = 0u64;
         for key in self.by_node.get(node).into_iter().flatten() {
             if let VolumeKey::Claim { namespace, name } = key
                 && own_claims.iter().any(|(n, c)| n == namespace && c == name)
@@ -496,12 +517,12 @@ impl CapacityIndex {
                 continue;
             };
             let size = align(allocation.size, alignment);
-            usage.allocated = usage.allocated.saturating_add(size);
+            allocated = allocated.saturating_add(size);
             if record.is_none_or(|r| allocation.seq > r.seq) {
-                usage.unreflected.push(size);
+                unreflected.push(size);
             }
         }
-        usage
+        (record.map(|r| &r.published), allocated)
     }
 
     /// Names of the nodes that published capacity.

@@ -28,7 +28,6 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use controllers::duration::parse_duration;
-use controllers::liveness::Liveness;
 use controllers::liveness_view::{LivenessSettings, LivenessView};
 use controllers::node_selector::NodeSelector;
 use controllers::readiness::{Readiness, ReadyFlag};
@@ -401,8 +400,11 @@ fn json(value: &impl serde::Serialize) -> Response {
     }
 }
 
-fn judge_driverless(liveness: &LivenessView) -> impl Fn(&str) -> bool + '_ {
-    move |node| matches!(liveness.judge(node), Liveness::DefinitelyNotRunning(_))
+/// Reads the background judgement (DESIGN.md §4: the extender never observes on the request
+/// path).
+fn judge_driverless(liveness: &LivenessView) -> impl Fn(&str) -> bool + use<> {
+    let driverless = liveness.driverless_nodes();
+    move |node| driverless.contains(node)
 }
 
 async fn filter(State(shared): State<Shared>, body: Bytes) -> Response {

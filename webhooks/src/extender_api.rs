@@ -442,7 +442,8 @@ impl Candidates {
     }
 
     /// Builds the `/filter` answer in the request's form: `judge` is asked once per candidate,
-    /// `None` keeps the node.
+    /// in the request's order (callers rely on it to line decisions up by position), `None`
+    /// keeps the node.
     pub fn into_filter_result(
         self,
         mut judge: impl FnMut(&str) -> Option<Rejection>,

@@ -13,6 +13,8 @@
 
 use std::cmp::Reverse;
 
+use smallvec::SmallVec;
+
 /// The reason for a node where the driver definitely does not run.
 pub const NOT_RUNNING: &str = "PMEM driver not running";
 
@@ -83,11 +85,23 @@ pub fn free(view: &NodeView) -> u64 {
 /// Zero volumes always fit. Every volume must be placed in a pool; an unreflected item that
 /// fits nowhere is skipped instead, because then the published pools are the stale side.
 pub fn fit(view: &NodeView, demand: &[u64]) -> Result<Fit, Insufficient> {
+    fit_with(view, demand, true)
+}
+
+/// [`fit`] without the placement: only `free_after`. The extender's /filter asks this for
+/// thousands of nodes per call, so it allocates nothing for the usual handful of pools.
+pub fn free_after(view: &NodeView, demand: &[u64]) -> Result<u64, Insufficient> {
+    fit_with(view, demand, false).map(|f| f.free_after)
+}
+
+type Small<T> = SmallVec<[T; 8]>;
+
+fn fit_with(view: &NodeView, demand: &[u64], record: bool) -> Result<Fit, Insufficient> {
     let insufficient = Insufficient {
         volumes: demand.len(),
         bytes: demand.iter().fold(0, |sum: u64, s| sum.saturating_add(*s)),
     };
-    let aligned: Vec<u64> = demand
+    let aligned: Small<u64> = demand
         .iter()
         .map(|s| align(*s, view.alignment))
         .collect::<Option<_>>()
@@ -99,10 +113,14 @@ pub fn fit(view: &NodeView, demand: &[u64]) -> Result<Fit, Insufficient> {
     let cap_after = cap(view).checked_sub(total).ok_or(insufficient)?;
 
     let mut pools = pools_after_unreflected(view);
-    let mut order: Vec<usize> = (0..aligned.len()).collect();
+    let mut order: Small<usize> = (0..aligned.len()).collect();
     // Stable sort: equal sizes keep their order, so the placement is deterministic.
     order.sort_by_key(|i| Reverse(aligned.get(*i).copied().unwrap_or_default()));
-    let mut placement = vec![0; aligned.len()];
+    let mut placement = if record {
+        vec![0; aligned.len()]
+    } else {
+        Vec::new()
+    };
     for i in order {
         let size = aligned.get(i).copied().unwrap_or_default();
         let pool = place(&mut pools, size).ok_or(insufficient)?;
@@ -148,9 +166,9 @@ pub fn format_bytes(bytes: u64) -> String {
     format!("{value:.1}{}", UNITS.get(unit).copied().unwrap_or("EiB"))
 }
 
-fn pools_after_unreflected(view: &NodeView) -> Vec<u64> {
-    let mut pools = view.pools.clone();
-    let mut items: Vec<u64> = view
+fn pools_after_unreflected(view: &NodeView) -> Small<u64> {
+    let mut pools: Small<u64> = view.pools.iter().copied().collect();
+    let mut items: Small<u64> = view
         .unreflected
         .iter()
         .map(|s| align(*s, view.alignment).unwrap_or(u64::MAX))

@@ -224,35 +224,55 @@ impl ExtenderState {
     /// The fit inputs of `node` for a pod with `demand`; `None` when the node published no
     /// capacity.
     fn view(&self, node: &str, demand: &Demand, pod_uid: &str) -> Option<NodeView> {
-        let usage = self.index.usage(node, &demand.own_claims);
-        let published = usage.published?;
-        let (reserved, entries) = self.book.reserved_on(node, pod_uid);
-        let mut unreflected = usage.unreflected;
-        unreflected.extend(entries);
-        Some(NodeView {
-            pools: published.pools,
-            managed: published.managed.unwrap_or(u64::MAX),
-            allocated: usage.allocated,
-            reserved,
-            unreflected,
-            alignment: published.alignment,
-        })
+        let mut view = NodeView::default();
+        self.view_into(node, demand, pod_uid, &mut view)
+            .then_some(view)
+    }
+
+    /// Fills `view` (reusing its vectors) with `node` as the pod sees it; `false` when the
+    /// node published no capacity.
+    fn view_into(&self, node: &str, demand: &Demand, pod_uid: &str, view: &mut NodeView) -> bool {
+        view.unreflected.clear();
+        let (published, allocated) =
+            self.index
+                .usage_into(node, &demand.own_claims, &mut view.unreflected);
+        let Some(published) = published else {
+            return false;
+        };
+        view.reserved = self
+            .book
+            .reserved_into(node, pod_uid, &mut view.unreflected);
+        view.pools.clear();
+        view.pools.extend_from_slice(&published.pools);
+        view.managed = published.managed.unwrap_or(u64::MAX);
+        view.allocated = allocated;
+        view.alignment = published.alignment;
+        true
     }
 
     /// Free bytes after placing the pod on `node`, or why it does not fit.
     fn fit_on(&self, node: &str, demand: &Demand, pod_uid: &str) -> Result<u64, String> {
-        match self.view(node, demand, pod_uid) {
-            None => Err(fit::reason(&fit::Insufficient {
+        self.fit_on_with(node, demand, pod_uid, &mut NodeView::default())
+    }
+
+    /// [`ExtenderState::fit_on`] with a scratch view reused across nodes.
+    fn fit_on_with(
+        &self,
+        node: &str,
+        demand: &Demand,
+        pod_uid: &str,
+        scratch: &mut NodeView,
+    ) -> Result<u64, String> {
+        if !self.view_into(node, demand, pod_uid, scratch) {
+            return Err(fit::reason(&fit::Insufficient {
                 volumes: demand.sizes.len(),
                 bytes: demand
                     .sizes
                     .iter()
                     .fold(0, |s: u64, v| s.saturating_add(*v)),
-            })),
-            Some(view) => fit::fit(&view, &demand.sizes)
-                .map(|f| f.free_after)
-                .map_err(|e| fit::reason(&e)),
+            }));
         }
+        fit::free_after(scratch, &demand.sizes).map_err(|e| fit::reason(&e))
     }
 
     /// `/filter`: which candidates the pod fits on, reserving per `placement`.
@@ -292,56 +312,77 @@ impl ExtenderState {
             outcome.event = Some(ReservationEvent::NoDemand);
             return outcome;
         }
-        let mut verdicts: BTreeMap<String, Result<u64, Rejection>> = BTreeMap::new();
-        for node in request.candidates.names() {
-            let verdict = if driverless(node) {
-                Err(Rejection::Resolvable(fit::NOT_RUNNING.to_string()))
-            } else {
-                self.fit_on(node, &demand, &uid)
-                    .map_err(Rejection::Unresolvable)
-            };
-            verdicts.insert(node.to_string(), verdict);
-        }
-        let fitting: Vec<(&str, Option<u64>)> = request
-            .candidates
-            .names()
-            .into_iter()
-            .filter_map(|n| match verdicts.get(n) {
-                Some(Ok(free)) => Some((n, Some(*free))),
-                _ => None,
+        // Everything below is per candidate position, never a search through the candidates:
+        // kube-scheduler may send thousands of names.
+        let names = request.candidates.names();
+        let mut scratch = NodeView::default();
+        let verdicts: Vec<Result<u64, Rejection>> = names
+            .iter()
+            .map(|node| {
+                if driverless(node) {
+                    Err(Rejection::Resolvable(fit::NOT_RUNNING.to_string()))
+                } else {
+                    self.fit_on_with(node, &demand, &uid, &mut scratch)
+                        .map_err(Rejection::Unresolvable)
+                }
             })
             .collect();
-        let chosen: Vec<String> = match placement {
-            Placement::Pin => score::best(policy, fitting.iter().copied())
-                .map(|n| vec![n.to_string()])
-                .unwrap_or_default(),
+        let chosen: Vec<bool> = match placement {
+            Placement::Pin => {
+                let fitting = names
+                    .iter()
+                    .zip(&verdicts)
+                    .filter_map(|(n, v)| v.as_ref().ok().map(|free| (*n, Some(*free))));
+                let best = score::best(policy, fitting);
+                names
+                    .iter()
+                    .zip(&verdicts)
+                    .map(|(n, v)| v.is_ok() && Some(*n) == best)
+                    .collect()
+            }
             Placement::ReserveAll | Placement::Scheduler => {
-                fitting.iter().map(|(n, _)| n.to_string()).collect()
+                verdicts.iter().map(Result::is_ok).collect()
             }
         };
-        for (node, verdict) in &verdicts {
-            let detail = match verdict {
-                Ok(free) => format!("fits, {free} bytes free after"),
-                Err(Rejection::Resolvable(r) | Rejection::Unresolvable(r)) => r.clone(),
-            };
-            outcome.details.insert(node.clone(), detail);
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            for (node, verdict) in names.iter().zip(&verdicts) {
+                let detail = match verdict {
+                    Ok(free) => format!("fits, {free} bytes free after"),
+                    Err(Rejection::Resolvable(r) | Rejection::Unresolvable(r)) => r.clone(),
+                };
+                outcome.details.insert((*node).to_string(), detail);
+            }
         }
-        if placement != Placement::Scheduler && !chosen.is_empty() {
+        // Kept as a list: the book hashes it once; duplicates collapse there.
+        let chosen_nodes: Vec<String> = names
+            .iter()
+            .zip(&chosen)
+            .filter(|(_, c)| **c)
+            .map(|(n, _)| (*n).to_string())
+            .collect();
+        outcome.result_nodes = chosen_nodes.len();
+        if placement != Placement::Scheduler && !chosen_nodes.is_empty() {
             self.book
-                .reserve(&uid, chosen.iter().cloned(), demand.entries.clone(), now);
+                .reserve(&uid, chosen_nodes, demand.entries.clone(), now);
             outcome.event = Some(ReservationEvent::Reserved);
         } else {
             // A pod that fits nowhere (or is not reserved) holds nothing.
             self.book.pod_deleted(&uid);
         }
+        let mut decisions = verdicts
+            .into_iter()
+            .zip(chosen)
+            .map(|(verdict, chosen)| match verdict {
+                Ok(_) if chosen => None,
+                Ok(_) => Some(Rejection::Resolvable(PINNED_ELSEWHERE.to_string())),
+                Err(rejection) => Some(rejection),
+            })
+            .collect::<Vec<_>>()
+            .into_iter();
+        // into_filter_result judges each candidate once, in order: the decisions line up.
         let result = request
             .candidates
-            .into_filter_result(|node| match verdicts.get(node) {
-                Some(Ok(_)) if chosen.iter().any(|c| c == node) => None,
-                Some(Ok(_)) => Some(Rejection::Resolvable(PINNED_ELSEWHERE.to_string())),
-                Some(Err(rejection)) => Some(rejection.clone()),
-                None => Some(Rejection::Unresolvable(fit::NOT_RUNNING.to_string())),
-            });
+            .into_filter_result(|_| decisions.next().flatten());
         for reason in result
             .failed_nodes
             .values()
@@ -349,7 +390,6 @@ impl ExtenderState {
         {
             *outcome.rejections.entry(reason.clone()).or_default() += 1;
         }
-        outcome.result_nodes = chosen.len();
         outcome.result = result;
         outcome
     }

@@ -19,7 +19,9 @@
 //!
 //! Time is an [`Instant`] passed in; the book never reads a clock.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, HashSet};
+
+use crate::capacity_index::NodeHasher;
 use std::time::{Duration, Instant};
 
 /// How long a reservation lives when nothing ends it (`--reservation-ttl` default).
@@ -58,7 +60,7 @@ pub struct Entry {
 pub struct ReservationSummary {
     /// The owning pod's uid.
     pub pod_uid: String,
-    /// The nodes it was held on.
+    /// The nodes it was held on, in no particular order.
     pub nodes: Vec<String>,
     /// The entries still open.
     pub entries: Vec<Entry>,
@@ -68,7 +70,8 @@ pub struct ReservationSummary {
 
 #[derive(Clone, Debug)]
 struct Reservation {
-    nodes: BTreeSet<String>,
+    // Hashed: `reserved_on` asks once per candidate node, thousands per /filter.
+    nodes: HashSet<String, NodeHasher>,
     entries: BTreeMap<EntryKey, u64>,
     created: Instant,
     /// `None`: the TTL does not fit into an `Instant`, so it never expires.
@@ -82,10 +85,12 @@ impl Reservation {
             .fold(0, |sum: u64, s| sum.saturating_add(*s))
     }
 
-    fn summary(&self, pod_uid: &str) -> ReservationSummary {
+    /// Moves the nodes out instead of copying them: a reserve-all reservation can name
+    /// thousands, and every /filter of a pod replaces the previous one.
+    fn into_summary(self, pod_uid: &str) -> ReservationSummary {
         ReservationSummary {
             pod_uid: pod_uid.to_owned(),
-            nodes: self.nodes.iter().cloned().collect(),
+            nodes: self.nodes.into_iter().collect(),
             entries: self
                 .entries
                 .iter()
@@ -139,7 +144,7 @@ impl ReservationBook {
         now: Instant,
     ) -> Option<ReservationSummary> {
         let replaced = self.remove(pod_uid);
-        let nodes: BTreeSet<String> = nodes.into_iter().collect();
+        let nodes: HashSet<String, NodeHasher> = nodes.into_iter().collect();
         let entries: BTreeMap<EntryKey, u64> =
             entries.into_iter().map(|e| (e.key, e.size)).collect();
         if nodes.is_empty() || entries.is_empty() {
@@ -206,7 +211,7 @@ impl ReservationBook {
                 Some(Entry { key, size })
             })
             .collect();
-        reservation.nodes = BTreeSet::from([node.to_owned()]);
+        reservation.nodes = std::iter::once(node.to_owned()).collect();
         if reservation.entries.is_empty() {
             self.by_pod.remove(pod_uid);
         }
@@ -232,14 +237,24 @@ impl ReservationBook {
     /// Bytes reserved on `node` by every pod except `excluding_pod` (a pod filtered again must not
     /// see its own reservation), as the total and the sizes of the entries.
     pub fn reserved_on(&self, node: &str, excluding_pod: &str) -> (u64, Vec<u64>) {
-        let sizes: Vec<u64> = self
-            .by_pod
-            .iter()
-            .filter(|(uid, r)| uid.as_str() != excluding_pod && r.nodes.contains(node))
-            .flat_map(|(_, r)| r.entries.values().copied())
-            .collect();
-        let total = sizes.iter().fold(0, |sum: u64, s| sum.saturating_add(*s));
+        let mut sizes = Vec::new();
+        let total = self.reserved_into(node, excluding_pod, &mut sizes);
         (total, sizes)
+    }
+
+    /// [`ReservationBook::reserved_on`] appending the sizes to `sizes` (no allocation on the
+    /// extender's per-node path); returns their total.
+    pub fn reserved_into(&self, node: &str, excluding_pod: &str, sizes: &mut Vec<u64>) -> u64 {
+        let mut total = 0u64;
+        for (uid, r) in &self.by_pod {
+            if uid.as_str() != excluding_pod && r.nodes.contains(node) {
+                for size in r.entries.values() {
+                    total = total.saturating_add(*size);
+                    sizes.push(*size);
+                }
+            }
+        }
+        total
     }
 
     /// Bytes withheld from nodes' capacity, summed over nodes (a pod reserving 1 GiB on three
@@ -263,7 +278,9 @@ impl ReservationBook {
 
     /// The open reservation of a pod, if any.
     pub fn get(&self, pod_uid: &str) -> Option<ReservationSummary> {
-        self.by_pod.get(pod_uid).map(|r| r.summary(pod_uid))
+        self.by_pod
+            .get(pod_uid)
+            .map(|r| r.clone().into_summary(pod_uid))
     }
 
     fn remove(&mut self, pod_uid: &str) -> Option<ReservationSummary> {
@@ -276,7 +293,7 @@ impl ReservationBook {
                 }
             }
         }
-        Some(reservation.summary(pod_uid))
+        Some(reservation.into_summary(pod_uid))
     }
 
     /// Removes one entry of a pod's reservation, ending the reservation with its last entry.
@@ -382,7 +399,9 @@ mod tests {
         let replaced = book
             .reserve("p1", nodes(&["b"]), [claim("c1", GI)], t0)
             .unwrap_or_else(|| panic!("replaced"));
-        assert_eq!(replaced.nodes, nodes(&["a", "b"]));
+        let mut held = replaced.nodes.clone();
+        held.sort();
+        assert_eq!(held, nodes(&["a", "b"]));
         assert_eq!(replaced.entries.len(), 2);
         assert_eq!(book.reserved_on("a", ""), (0, vec![]));
         assert_eq!(book.reserved_on("b", ""), (GI, vec![GI]));
