@@ -229,11 +229,12 @@ pub fn unused_grants<'a>(grants: &'a [Grant], requests: &[Request], user: &str) 
         .collect()
 }
 
-/// Requests the authorizer refused (decision `forbid`, or 403).
+/// Requests the authorizer refused (decision `forbid`). A 403 that RBAC allowed (an Event into
+/// a namespace being deleted) is not a denial.
 pub fn denials<'a>(requests: &'a [Request], user: &str) -> Vec<&'a Request> {
     requests
         .iter()
-        .filter(|r| r.user == user && (r.decision == "forbid" || r.code == 403))
+        .filter(|r| r.user == user && r.decision == "forbid")
         .collect()
 }
 
@@ -258,6 +259,7 @@ mod tests {
 {"verb":"get","user":{"username":"system:serviceaccount:pmem-csi:node"},"objectRef":{"resource":"secrets","name":"x"},"responseStatus":{"code":403},"annotations":{"authorization.k8s.io/decision":"forbid"}}
 {"verb":"patch","user":{"username":"system:serviceaccount:pmem-csi:node"},"objectRef":{"resource":"pods","subresource":"status"},"responseStatus":{"code":200}}
 {"verb":"get","user":{"username":"system:serviceaccount:pmem-csi:node"},"requestURI":"/version","responseStatus":{"code":200}}
+{"verb":"create","user":{"username":"system:serviceaccount:pmem-csi:node"},"objectRef":{"resource":"events","namespace":"gone"},"responseStatus":{"code":403},"annotations":{"authorization.k8s.io/decision":"allow"}}
 {"verb":"get","user":{"username":"admin"},"objectRef":{"resource":"nodes"}}
 {"verb":"li"#;
 
@@ -310,7 +312,7 @@ subjects: [{kind: ServiceAccount, name: controller, namespace: pmem-csi}]
     #[test]
     fn log_is_parsed_and_truncation_reported() {
         let (requests, errors) = parse_log(LOG);
-        assert_eq!(requests.len(), 6);
+        assert_eq!(requests.len(), 7);
         assert_eq!(errors.len(), 1, "the truncated last line");
         assert_eq!(requests[3].resource, "pods/status");
         assert_eq!(requests[4].resource, "/version");

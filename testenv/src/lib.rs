@@ -264,6 +264,14 @@ impl TestEnv {
         .map(|c| env.manifests.launch(*c).map(|l| l.service_account))
         .collect::<Result<_, _>>()?;
         names.dedup();
+        service_accounts::wait_authorized(
+            &client,
+            &env.manifests,
+            manifests::NAMESPACE,
+            &names,
+            std::time::Duration::from_secs(30),
+        )
+        .await?;
         env.accounts = service_accounts::ServiceAccountKubeconfigs::issue(
             &client,
             manifests::NAMESPACE,

@@ -323,8 +323,13 @@ impl Overrides {
                     }
                 }
                 Override::Switch => {
-                    if position.is_none() {
-                        out.push(flag.clone());
+                    // A present `--flag=false` must not survive a request for `--flag`.
+                    out.retain(|a| flag_name(a) != Some(flag.as_str()) || a == flag);
+                    if !out.iter().any(|a| a == flag) {
+                        match position {
+                            Some(i) => out.insert(i.min(out.len()), flag.clone()),
+                            None => out.push(flag.clone()),
+                        }
                     }
                 }
             }
@@ -582,6 +587,12 @@ mod tests {
                 base.clone(),
                 Overrides::new().remove("--c").remove("--b"),
                 vec!["node", "--a=1"],
+            ),
+            (
+                "switch replaces a value in place",
+                args(&["node", "--b=false", "--c=3"]),
+                Overrides::new().switch("--b"),
+                vec!["node", "--b", "--c=3"],
             ),
             (
                 "switch present stays once",

@@ -58,6 +58,9 @@ pub enum ServiceAccountError {
         /// Why.
         source: std::io::Error,
     },
+    /// The authorizer never granted what the manifests' RBAC says.
+    #[error("RBAC not in effect: {0}")]
+    NotAuthorized(String),
     /// A kubeconfig could not be written.
     #[error(transparent)]
     Kubeconfig(#[from] kubeconfig::KubeconfigError),
@@ -97,6 +100,66 @@ pub async fn apply(client: &Client, rendered: &Rendered) -> Result<(), ServiceAc
         api.patch(name, &params, &Patch::Apply(object))
             .await
             .map_err(apply_error)?;
+    }
+    Ok(())
+}
+
+/// Waits until the API server's authorizer grants each ServiceAccount in `names` every rule
+/// the rendered RBAC gives it. RBAC reaches the authorizer through its informers a moment after
+/// the apply; a process started earlier would see (and the audit log record) denials.
+pub async fn wait_authorized(
+    client: &Client,
+    rendered: &Rendered,
+    namespace: &str,
+    names: &[String],
+    timeout: Duration,
+) -> Result<(), ServiceAccountError> {
+    use k8s_openapi::api::authorization::v1::{
+        ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
+    };
+    let api = Api::<SubjectAccessReview>::all(client.clone());
+    for name in names {
+        for grant in crate::audit::grants(rendered, namespace, name) {
+            let (resource, subresource) = match grant.resource.split_once('/') {
+                Some((r, s)) => (r.to_string(), Some(s.to_string())),
+                None => (grant.resource.clone(), None),
+            };
+            let review = SubjectAccessReview {
+                spec: SubjectAccessReviewSpec {
+                    user: Some(crate::audit::service_account_user(namespace, name)),
+                    groups: Some(vec![
+                        "system:serviceaccounts".into(),
+                        format!("system:serviceaccounts:{namespace}"),
+                        "system:authenticated".into(),
+                    ]),
+                    resource_attributes: Some(ResourceAttributes {
+                        verb: Some(grant.verb.clone()),
+                        group: Some(grant.group.clone()),
+                        resource: Some(resource),
+                        subresource,
+                        namespace: Some(namespace.to_string()),
+                        name: grant.names.first().cloned(),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                },
+                ..Default::default()
+            };
+            let what = format!("{name} may {}", grant.pair());
+            crate::wait::until(&what, timeout, || async {
+                let answer = api
+                    .create(&PostParams::default(), &review)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if answer.status.is_some_and(|s| s.allowed) {
+                    Ok(())
+                } else {
+                    Err("not yet".to_string())
+                }
+            })
+            .await
+            .map_err(|e| ServiceAccountError::NotAuthorized(e.to_string()))?;
+        }
     }
     Ok(())
 }
