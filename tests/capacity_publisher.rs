@@ -33,12 +33,6 @@ fn env() -> &'static TestEnv {
     TestEnv::shared(configure)
 }
 
-async fn namespace(client: &kube::Client) {
-    objects::ensure_namespace(client, NAMESPACE)
-        .await
-        .expect("namespace");
-}
-
 async fn class(client: &kube::Client, name: &str, mode: &str) {
     objects::create_storage_class(client, name, DRIVER, mode)
         .await
@@ -90,7 +84,6 @@ async fn capacity_of(api: &Api<CSIStorageCapacity>, name: &str) -> Result<u64, S
 async fn publishes_follows_coalesces_and_withdraws() {
     let env = env();
     let client = env.client().await.expect("client");
-    namespace(&client).await;
     let ns = testenv::test_namespace(&client, "publisher")
         .await
         .expect("ns");
@@ -271,7 +264,6 @@ async fn publishes_follows_coalesces_and_withdraws() {
 async fn objects_follow_their_node_to_the_garbage_collector() {
     let env = env();
     let client = env.client().await.expect("client");
-    namespace(&client).await;
     let ns = testenv::test_namespace(&client, "publisher-gc")
         .await
         .expect("ns");

@@ -42,12 +42,6 @@ async fn start(args: &[&str]) -> (TestEnv, kube::Client) {
         .await
         .expect("testenv");
     let client = env.client().await.expect("client");
-    objects::ensure_namespace(&client, "pmem-csi")
-        .await
-        .expect("namespace");
-    objects::ensure_csi_driver(&client, DRIVER)
-        .await
-        .expect("CSIDriver");
     objects::create_storage_class(&client, CLASS, DRIVER, "WaitForFirstConsumer")
         .await
         .expect("class");

@@ -72,9 +72,6 @@ async fn wait_unselected(api: &Api<PersistentVolumeClaim>, name: &str) {
 async fn stopped_driver_loses_its_claims_restarted_one_keeps_them() {
     let f = fixture();
     let client = f.env.client().await.expect("client");
-    objects::ensure_namespace(&client, "pmem-csi")
-        .await
-        .expect("namespace");
     let ns = testenv::test_namespace(&client, "heartbeat")
         .await
         .expect("ns");

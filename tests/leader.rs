@@ -76,9 +76,6 @@ async fn status(port: u16) -> String {
 async fn only_the_leader_acts_and_a_standby_takes_over() {
     let env = env();
     let client = env.client().await.expect("client");
-    objects::ensure_namespace(&client, "pmem-csi")
-        .await
-        .expect("namespace");
     let ns = testenv::test_namespace(&client, "leader")
         .await
         .expect("ns");

@@ -24,16 +24,10 @@ fn repo() -> &'static Path {
 /// A scratch kustomization of `resource` plus the scheduler-extender component.
 fn with_component(scratch: &Path, name: &str, resource: &str) -> PathBuf {
     let dir = scratch.join(name);
-    std::fs::create_dir_all(&dir).expect("scratch dir");
-    let dir = dir.canonicalize().expect("canonical");
-    let root = repo().canonicalize().expect("repo");
-    std::fs::write(
-        dir.join("kustomization.yaml"),
-        format!(
-            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n- {}\ncomponents:\n- {}\n",
-            manifests::relative(&dir, &root.join(resource)).display(),
-            manifests::relative(&dir, &root.join(manifests::COMPONENT)).display(),
-        ),
+    manifests::write_kustomization(
+        &dir,
+        &[repo().join(resource)],
+        &[repo().join(manifests::COMPONENT)],
     )
     .expect("kustomization");
     dir
@@ -226,24 +220,23 @@ fn kubelet_dir_is_set_in_one_place() {
     // What the README tells users: a Component patching the ConfigMap, then kubelet-dir again.
     let kubectl = env().tools().go("kubectl");
     let scratch = tempfile::tempdir().expect("scratch");
-    let dir = scratch.path().canonicalize().expect("canonical");
-    let root = repo().canonicalize().expect("repo");
+    let dir = scratch.path();
     std::fs::create_dir_all(dir.join("set")).expect("component dir");
     std::fs::write(
         dir.join("set/kustomization.yaml"),
         "apiVersion: kustomize.config.k8s.io/v1alpha1\nkind: Component\npatches:\n- patch: |-\n    apiVersion: v1\n    kind: ConfigMap\n    metadata:\n      name: pmem-csi-kubelet-dir\n      namespace: pmem-csi\n    data:\n      kubeletDir: /data/kubelet\n",
     )
     .expect("component");
-    std::fs::write(
-        dir.join("kustomization.yaml"),
-        format!(
-            "resources:\n- {}\ncomponents:\n- set\n- {}\n",
-            manifests::relative(&dir, &root.join(manifests::OVERLAY)).display(),
-            manifests::relative(&dir, &root.join("manifests/components/kubelet-dir")).display(),
-        ),
+    manifests::write_kustomization(
+        dir,
+        &[repo().join(manifests::OVERLAY)],
+        &[
+            PathBuf::from("set"),
+            repo().join("manifests/components/kubelet-dir"),
+        ],
     )
     .expect("kustomization");
-    let yaml = manifests::kustomize(&kubectl, &dir).expect("render");
+    let yaml = manifests::kustomize(&kubectl, dir).expect("render");
     assert!(
         !yaml.contains("/var/lib/kubelet"),
         "a path still names the default kubelet dir"

@@ -77,9 +77,6 @@ async fn ids(csi: &mut ControllerClient<Channel>) -> Vec<String> {
 async fn deletes_orphans_keeps_the_rest() {
     let env = env();
     let client = env.client().await.expect("client");
-    objects::ensure_namespace(&client, "pmem-csi")
-        .await
-        .expect("namespace");
     let ns = testenv::test_namespace(&client, "orphans")
         .await
         .expect("ns");

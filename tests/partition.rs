@@ -80,9 +80,6 @@ async fn partitioned_node_loses_the_claim_and_its_volume() {
     let env = f.env;
     let client = env.client().await.expect("client");
     let pp = PostParams::default();
-    objects::ensure_csi_driver(&client, DRIVER)
-        .await
-        .expect("CSIDriver");
     let ns = testenv::test_namespace(&client, "partition")
         .await
         .expect("ns");

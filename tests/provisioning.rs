@@ -38,9 +38,6 @@ async fn late_binding_claim_is_provisioned_on_the_scheduled_node_and_cleaned_up(
     let env = env();
     let client = env.client().await.expect("client");
     let pp = PostParams::default();
-    objects::ensure_csi_driver(&client, DRIVER)
-        .await
-        .expect("CSIDriver");
     let ns = testenv::test_namespace(&client, "provisioning")
         .await
         .expect("ns");
@@ -157,9 +154,6 @@ async fn late_binding_claim_is_provisioned_on_the_scheduled_node_and_cleaned_up(
 async fn claim_selected_for_a_node_without_room_goes_back_to_the_scheduler() {
     let env = env();
     let client = env.client().await.expect("client");
-    objects::ensure_csi_driver(&client, DRIVER)
-        .await
-        .expect("CSIDriver");
     let ns = testenv::test_namespace(&client, "noroom")
         .await
         .expect("ns");

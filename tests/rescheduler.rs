@@ -90,9 +90,6 @@ fn counter(text: &str, prefix: &str) -> u64 {
 async fn unsets_selected_node_only_where_the_driver_definitely_does_not_run() {
     let f = fixture();
     let client = f.env.client().await.expect("client");
-    objects::ensure_namespace(&client, "pmem-csi")
-        .await
-        .expect("namespace");
     let ns = testenv::test_namespace(&client, "rescheduler")
         .await
         .expect("ns");
@@ -278,9 +275,6 @@ async fn cleans_up_capacity_of_driverless_nodes_and_deleted_classes() {
     use k8s_openapi::api::storage::v1::CSIStorageCapacity;
     let f = fixture();
     let client = f.env.client().await.expect("client");
-    objects::ensure_namespace(&client, "pmem-csi")
-        .await
-        .expect("namespace");
     let ns = testenv::test_namespace(&client, "cleanup")
         .await
         .expect("ns");

@@ -150,12 +150,6 @@ async fn served_by_both(client: &kube::Client, replicas: &[&Replica]) -> Vec<u8>
 async fn webhook() {
     let env = TestEnv::builder().nodes(1).start().await.expect("testenv");
     let client = env.client().await.expect("client");
-    objects::ensure_namespace(&client, "pmem-csi")
-        .await
-        .expect("ns");
-    objects::ensure_csi_driver(&client, DRIVER)
-        .await
-        .expect("CSIDriver");
     for (name, provisioner, mode) in [
         ("pmem-late", DRIVER, "WaitForFirstConsumer"),
         ("pmem-now", DRIVER, "Immediate"),

@@ -25,10 +25,6 @@ use crate::report::{Benchmark, Target};
 
 const DRIVER: &str = "pmem-csi.intel.com";
 
-async fn ensure_namespace(client: &kube::Client, name: &str) -> anyhow::Result<()> {
-    Ok(testenv::objects::ensure_namespace(client, name).await?)
-}
-
 async fn class(client: &kube::Client, name: &str) -> anyhow::Result<()> {
     testenv::objects::create_storage_class(client, name, DRIVER, "WaitForFirstConsumer").await?;
     Ok(())
@@ -57,7 +53,6 @@ pub async fn rescheduler_pass(
     claims: usize,
 ) -> anyhow::Result<Vec<Benchmark>> {
     let client = env.client().await?;
-    ensure_namespace(&client, "pmem-csi").await?;
     let ns = testenv::test_namespace(&client, "scale").await?;
     let class_name = format!("{ns}-pmem");
     class(&client, &class_name).await?;
@@ -184,7 +179,6 @@ pub async fn capacity_latency(
     samples: usize,
 ) -> anyhow::Result<Benchmark> {
     let client = env.client().await?;
-    ensure_namespace(&client, "pmem-csi").await?;
     let ns = testenv::test_namespace(&client, "capacity-latency").await?;
     let class_name = format!("{ns}-pmem");
     class(&client, &class_name).await?;

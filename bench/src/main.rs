@@ -59,6 +59,20 @@ fn repo_root() -> anyhow::Result<PathBuf> {
     Ok(dir)
 }
 
+/// Prints p50, p99 and max of each benchmark (experiment runs, no result file).
+fn print_quantiles(benchmarks: &[Benchmark]) {
+    for b in benchmarks {
+        println!(
+            "{}: p50 {:.3} p99 {:.3} max {:.3} {}",
+            b.name,
+            report::quantile(&b.samples, 0.5),
+            report::quantile(&b.samples, 0.99),
+            report::quantile(&b.samples, 1.0),
+            b.unit
+        );
+    }
+}
+
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -91,16 +105,7 @@ fn main() -> anyhow::Result<()> {
                 } else {
                     runtime.block_on(webhook_load::filter(&scale))?
                 };
-                for b in &benchmarks {
-                    println!(
-                        "{}: p50 {:.3} p99 {:.3} max {:.3} {}",
-                        b.name,
-                        report::quantile(&b.samples, 0.5),
-                        report::quantile(&b.samples, 0.99),
-                        report::quantile(&b.samples, 1.0),
-                        b.unit
-                    );
-                }
+                print_quantiles(&benchmarks);
                 return Ok(());
             }
             let tools = testenv::Tools::locate().context("locating tools")?;
@@ -108,16 +113,7 @@ fn main() -> anyhow::Result<()> {
             let mut benchmarks =
                 runtime.block_on(driver_ops::run(tools.pmem_csi(), &root, driver_samples))?;
             if driver_only {
-                for b in &benchmarks {
-                    println!(
-                        "{}: p50 {:.3} p99 {:.3} max {:.3} {}",
-                        b.name,
-                        report::quantile(&b.samples, 0.5),
-                        report::quantile(&b.samples, 0.99),
-                        report::quantile(&b.samples, 1.0),
-                        b.unit
-                    );
-                }
+                print_quantiles(&benchmarks);
                 return Ok(());
             }
             benchmarks.push(runtime.block_on(testenv_startup(samples))?);

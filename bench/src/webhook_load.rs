@@ -171,8 +171,6 @@ pub async fn mutate(scale: &Scale) -> anyhow::Result<Vec<Benchmark>> {
 
 async fn mutate_on(env: &TestEnv, scale: &Scale) -> anyhow::Result<Vec<Benchmark>> {
     let client = env.client().await?;
-    objects::ensure_namespace(&client, NAMESPACE).await?;
-    objects::ensure_csi_driver(&client, DRIVER).await?;
     let ns = testenv::test_namespace(&client, "mutate-load").await?;
     let class = format!("{ns}-pmem");
     objects::create_storage_class(&client, &class, DRIVER, "WaitForFirstConsumer").await?;
@@ -341,8 +339,6 @@ async fn filter_on(env: &TestEnv, scale: &Scale) -> anyhow::Result<Vec<Benchmark
         .extender_addresses()
         .context("the testenv runs no extender")?;
     let client = env.client().await?;
-    objects::ensure_namespace(&client, NAMESPACE).await?;
-    objects::ensure_csi_driver(&client, DRIVER).await?;
     objects::create_storage_class(&client, CAPACITY_CLASS, DRIVER, "WaitForFirstConsumer").await?;
     let nodes = scale.filter_names.iter().copied().max().unwrap_or(0);
     let api = Api::<CSIStorageCapacity>::namespaced(client.clone(), NAMESPACE);

@@ -311,13 +311,7 @@ impl TestEnv {
             }
             spec.create(&client, &env.driver_name).await?;
         }
-        if let Some(mut options) = builder.drivers {
-            options.extra_args = env
-                .driver_name_override()
-                .flags()
-                .map(|_| format!("--driver-name={}", env.driver_name))
-                .chain(options.extra_args)
-                .collect();
+        if let Some(options) = builder.drivers {
             let launcher = node_processes::NodeLauncher {
                 client: client.clone(),
                 tools: env.tools.clone(),
@@ -463,26 +457,15 @@ impl TestEnv {
         dirs: &node_driver::NodeDriverDirs,
         options: &node_processes::DriverOptions,
     ) -> Result<Supervised, TestEnvError> {
-        let pod = manifests::PodFacts {
-            name: format!("pmem-csi-intel-com-node-{node}"),
-            namespace: manifests::NAMESPACE.into(),
-            node_name: node.into(),
-        };
-        let mut spec = node_processes::container_process(
+        let spec = node_processes::driver_process(
             &self.manifests,
-            manifests::OurContainer::NodeDriver,
-            &format!("{node}/pmem-csi"),
-            self.tools.pmem_csi(),
-            &pod,
-            format!("{node}-pmem-csi.log"),
-            &self
-                .driver_name_override()
-                .and(&node_processes::driver_overrides(dirs, options)),
-        )?
-        .env("KUBECONFIG", self.node_kubeconfig()?);
-        for (k, v) in &options.env {
-            spec = spec.env(k, v);
-        }
+            &self.tools,
+            &self.driver_name,
+            node,
+            dirs,
+            options,
+            &self.node_kubeconfig()?,
+        )?;
         Ok(self.supervise(spec))
     }
 
@@ -512,12 +495,17 @@ impl TestEnv {
             .manifests
             .launch(manifests::OurContainer::NodeDriver)?
             .service_account;
+        self.account_kubeconfig(&account, "pmem-driver")
+    }
+
+    /// The kubeconfig of ServiceAccount `account`, which `container` runs under.
+    fn account_kubeconfig(&self, account: &str, container: &str) -> Result<PathBuf, TestEnvError> {
         self.accounts
-            .get(&account)
+            .get(account)
             .map(Path::to_path_buf)
             .ok_or_else(|| {
                 TestEnvError::Manifests(manifests::ManifestError::Unsupported {
-                    container: "pmem-driver".into(),
+                    container: container.into(),
                     reason: format!("no kubeconfig for ServiceAccount {account}"),
                 })
             })
@@ -549,19 +537,7 @@ impl TestEnv {
             &self.manifests
         };
         let launch = rendered.launch(which)?;
-        let kubeconfig = self
-            .accounts
-            .get(&launch.service_account)
-            .map(Path::to_path_buf)
-            .ok_or_else(|| {
-                TestEnvError::Manifests(manifests::ManifestError::Unsupported {
-                    container: name.into(),
-                    reason: format!(
-                        "no kubeconfig for ServiceAccount {}",
-                        launch.service_account
-                    ),
-                })
-            })?;
+        let kubeconfig = self.account_kubeconfig(&launch.service_account, name)?;
         let pod = manifests::PodFacts {
             name: name.into(),
             namespace: manifests::NAMESPACE.into(),

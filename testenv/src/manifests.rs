@@ -380,25 +380,7 @@ impl Rendered {
             return Self::from_yaml(&kustomize(kubectl, &repo.join(OVERLAY))?);
         }
         let dir = scratch.join("kustomize");
-        let render_error = |reason: String| ManifestError::Render {
-            dir: dir.clone(),
-            reason,
-        };
-        std::fs::create_dir_all(&dir).map_err(|e| render_error(e.to_string()))?;
-        let repo = repo
-            .canonicalize()
-            .map_err(|e| render_error(format!("{}: {e}", repo.display())))?;
-        let dir_abs = dir
-            .canonicalize()
-            .map_err(|e| render_error(format!("{}: {e}", dir.display())))?;
-        // kustomize refuses absolute paths for resources and components.
-        let kustomization = format!(
-            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n- {}\ncomponents:\n- {}\n",
-            relative(&dir_abs, &repo.join(OVERLAY)).display(),
-            relative(&dir_abs, &repo.join(COMPONENT)).display()
-        );
-        std::fs::write(dir.join("kustomization.yaml"), kustomization)
-            .map_err(|e| render_error(e.to_string()))?;
+        write_kustomization(&dir, &[repo.join(OVERLAY)], &[repo.join(COMPONENT)])?;
         Self::from_yaml(&kustomize(kubectl, &dir)?)
     }
 
@@ -515,6 +497,45 @@ fn launch_of(container: &Value, pod_spec: &Value) -> Result<Launch, ManifestErro
             .unwrap_or("default")
             .to_string(),
     })
+}
+
+/// Writes `<dir>/kustomization.yaml` (creating `dir`) with `resources` and `components`.
+/// Absolute entries are written relative to `dir`, because kustomize refuses absolute paths;
+/// relative ones are taken as relative to `dir` already.
+pub fn write_kustomization(
+    dir: &Path,
+    resources: &[PathBuf],
+    components: &[PathBuf],
+) -> Result<(), ManifestError> {
+    let error = |reason: String| ManifestError::Render {
+        dir: dir.to_path_buf(),
+        reason,
+    };
+    std::fs::create_dir_all(dir).map_err(|e| error(e.to_string()))?;
+    let base = dir
+        .canonicalize()
+        .map_err(|e| error(format!("{}: {e}", dir.display())))?;
+    let entry = |path: &PathBuf| -> Result<String, ManifestError> {
+        if !path.is_absolute() {
+            return Ok(format!("- {}\n", path.display()));
+        }
+        let path = path
+            .canonicalize()
+            .map_err(|e| error(format!("{}: {e}", path.display())))?;
+        Ok(format!("- {}\n", relative(&base, &path).display()))
+    };
+    let mut text =
+        String::from("apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n");
+    for (key, list) in [("resources", resources), ("components", components)] {
+        if !list.is_empty() {
+            text.push_str(key);
+            text.push_str(":\n");
+            for path in list {
+                text.push_str(&entry(path)?);
+            }
+        }
+    }
+    std::fs::write(dir.join("kustomization.yaml"), text).map_err(|e| error(e.to_string()))
 }
 
 /// `target` as a path relative to directory `from` (both absolute): up to the root, then down.

@@ -121,6 +121,48 @@ pub fn provisioner_overrides(socket: &Path, kubeconfig: &Path) -> Overrides {
         .remove("--http-endpoint")
 }
 
+/// `pmem-csi node` of `node`, its files in `dirs`, as testenv runs it: the rendered container
+/// with [`driver_overrides`] (and `--driver-name` when it is not the manifests' default), under
+/// the node ServiceAccount's `kubeconfig`, plus the options' extra environment.
+pub fn driver_process(
+    manifests: &Rendered,
+    tools: &Tools,
+    driver_name: &str,
+    node: &str,
+    dirs: &NodeDriverDirs,
+    options: &DriverOptions,
+    kubeconfig: &Path,
+) -> Result<ProcessSpec, ManifestError> {
+    let pod = node_pod(node);
+    let mut overrides = Overrides::new();
+    if driver_name != crate::nodes::DEFAULT_DRIVER_NAME {
+        overrides = overrides.set("--driver-name", driver_name);
+    }
+    let mut spec = container_process(
+        manifests,
+        OurContainer::NodeDriver,
+        &format!("{node}/pmem-csi"),
+        tools.pmem_csi(),
+        &pod,
+        format!("{node}-pmem-csi.log"),
+        &overrides.and(&driver_overrides(dirs, options)),
+    )?
+    .env("KUBECONFIG", kubeconfig);
+    for (k, v) in &options.env {
+        spec = spec.env(k, v);
+    }
+    Ok(spec)
+}
+
+/// What a node DaemonSet pod on `node` knows about itself.
+fn node_pod(node: &str) -> PodFacts {
+    PodFacts {
+        name: format!("pmem-csi-intel-com-node-{node}"),
+        namespace: DRIVER_NAMESPACE.into(),
+        node_name: node.into(),
+    }
+}
+
 /// Process `name` of rendered container `which`, as pod `pod` would run it with `overrides`:
 /// `program` with the rendered command line and environment.
 pub fn container_process(
@@ -187,25 +229,16 @@ impl NodeLauncher {
             node: node.name.clone(),
             source,
         };
-        let pod = PodFacts {
-            name: format!("pmem-csi-intel-com-node-{}", node.name),
-            namespace: DRIVER_NAMESPACE.into(),
-            node_name: node.name.clone(),
-        };
-        let mut spec = container_process(
+        let spec = driver_process(
             &self.manifests,
-            OurContainer::NodeDriver,
-            &format!("{}/pmem-csi", node.name),
-            self.tools.pmem_csi(),
-            &pod,
-            format!("{}-pmem-csi.log", node.name),
-            &driver_overrides(&dirs, &self.options),
+            &self.tools,
+            &self.driver_name,
+            &node.name,
+            &dirs,
+            &self.options,
+            kubeconfig,
         )
-        .map_err(manifest_error)?
-        .env("KUBECONFIG", kubeconfig);
-        for (k, v) in &self.options.env {
-            spec = spec.env(k, v);
-        }
+        .map_err(manifest_error)?;
         let driver = supervise(spec);
         node_driver::wait_for_path(&dirs.socket, Duration::from_secs(60))
             .await
@@ -227,7 +260,7 @@ impl NodeLauncher {
                 OurContainer::Provisioner,
                 &format!("{}/csi-provisioner", node.name),
                 &self.tools.go("csi-provisioner"),
-                &pod,
+                &node_pod(&node.name),
                 format!("{}-csi-provisioner.log", node.name),
                 &provisioner_overrides(&dirs.socket, kubeconfig),
             )

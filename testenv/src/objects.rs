@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{
-    Namespace, PersistentVolumeClaim, PersistentVolumeClaimSpec, VolumeResourceRequirements,
+    PersistentVolumeClaim, PersistentVolumeClaimSpec, VolumeResourceRequirements,
 };
 use k8s_openapi::api::storage::v1::StorageClass;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -17,52 +17,6 @@ use crate::wait::{Timeout, until};
 
 /// The annotation the scheduler sets on a late-binding claim.
 pub const SELECTED_NODE: &str = "volume.kubernetes.io/selected-node";
-
-/// Creates namespace `name` unless it exists.
-pub async fn ensure_namespace(client: &kube::Client, name: &str) -> Result<(), kube::Error> {
-    let namespace = Namespace {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    match Api::<Namespace>::all(client.clone())
-        .create(&PostParams::default(), &namespace)
-        .await
-    {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
-        Err(e) => Err(e),
-    }
-}
-
-/// Registers the CSIDriver object of `driver` as the manifests do (no attach, capacity
-/// tracking, pod info on mount, persistent and ephemeral volumes), unless it exists.
-pub async fn ensure_csi_driver(client: &kube::Client, driver: &str) -> Result<(), kube::Error> {
-    use k8s_openapi::api::storage::v1::{CSIDriver, CSIDriverSpec};
-    let object = CSIDriver {
-        metadata: ObjectMeta {
-            name: Some(driver.into()),
-            ..Default::default()
-        },
-        spec: CSIDriverSpec {
-            attach_required: Some(false),
-            storage_capacity: Some(true),
-            pod_info_on_mount: Some(true),
-            volume_lifecycle_modes: Some(vec!["Persistent".into(), "Ephemeral".into()]),
-            ..Default::default()
-        },
-    };
-    match Api::<CSIDriver>::all(client.clone())
-        .create(&PostParams::default(), &object)
-        .await
-    {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
-        Err(e) => Err(e),
-    }
-}
 
 /// Creates StorageClass `name` of `provisioner` with `binding_mode` (reclaim policy Delete).
 pub async fn create_storage_class(
