@@ -13,6 +13,10 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::storage::v1::{CSIStorageCapacity, StorageClass};
 
+use smallvec::SmallVec;
+
+use crate::node_table::NodeTable;
+
 /// Annotation the scheduler sets on a late-binding claim once it chose a node.
 pub const SELECTED_NODE: &str = "volume.kubernetes.io/selected-node";
 /// Annotation naming the provisioner of a claim whose class may be gone.
@@ -116,11 +120,51 @@ struct Allocation {
 
 #[derive(Clone, Debug)]
 struct CapacityRecord {
+    id: NodeId,
+    /// `published.pools` again, inline: /filter reads it for every candidate, and a separate
+    /// allocation per node costs a cache miss each.
+    pools: SmallVec<[u64; 4]>,
     published: PublishedCapacity,
     seq: u64,
     /// Capacity object name → its content; a node has one per class, all alike.
     objects: BTreeMap<String, PublishedCapacity>,
 }
+
+/// What the fit reads of a node's published capacity, borrowed from the index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Published<'a> {
+    /// The node's id.
+    pub id: NodeId,
+    /// Free bytes per pool, largest first.
+    pub pools: &'a [u64],
+    /// Bytes the driver manages; `None` when not published.
+    pub managed: Option<u64>,
+    /// Volume sizes are multiples of this.
+    pub alignment: u64,
+}
+
+impl CapacityRecord {
+    fn set_published(&mut self, published: PublishedCapacity) {
+        self.pools = SmallVec::from_slice(&published.pools);
+        self.published = published;
+    }
+
+    fn view(&self) -> Published<'_> {
+        Published {
+            id: self.id,
+            pools: &self.pools,
+            managed: self.published.managed,
+            alignment: self.published.alignment,
+        }
+    }
+}
+
+/// Identifies a node while it has published capacity, so that the extender's hot paths
+/// (reservations naming thousands of nodes) key by a number instead of a name. Never reused: a
+/// node that publishes again after all its objects were deleted gets a new one, and whatever
+/// was keyed by the old one no longer applies to it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct NodeId(u64);
 
 /// The index. See the module documentation.
 #[derive(Debug)]
@@ -128,6 +172,7 @@ pub struct CapacityIndex {
     driver: String,
     default_size: u64,
     seq: u64,
+    next_node_id: u64,
     classes: HashMap<String, ClassRecord>,
     claims: HashMap<(String, String), ClaimRecord>,
     /// Volume → (node, bytes) of PVs of this driver with a node.
@@ -135,15 +180,23 @@ pub struct CapacityIndex {
     /// PV name → its key in `volumes`.
     volume_keys: HashMap<String, VolumeKey>,
     pods: HashMap<String, PodRecord>,
-    // Looked up once per candidate node on every /filter: a fast hash (node names come from
-    // the API server, not from the request's author alone, and kube-scheduler sends only names
-    // of nodes it knows).
-    capacity: HashMap<String, CapacityRecord, NodeHasher>,
+    // Looked up once per candidate node on every /filter: one lookup for both halves, in a
+    // table laid out for it.
+    nodes: NodeTable<NodeEntry>,
     allocations: HashMap<VolumeKey, Allocation>,
-    by_node: HashMap<String, HashSet<VolumeKey>, NodeHasher>,
 }
 
-/// The hasher of maps keyed by node name on the /filter path.
+/// What the index keeps per node; gone when both halves are empty.
+#[derive(Debug, Default)]
+struct NodeEntry {
+    capacity: Option<CapacityRecord>,
+    /// The allocations on the node.
+    volumes: HashSet<VolumeKey>,
+}
+
+/// The hasher of maps keyed by node name on the /filter path: fast (node names come from the
+/// API server, not from the request's author alone, and kube-scheduler sends only names of
+/// nodes it knows).
 pub type NodeHasher = foldhash::quality::RandomState;
 
 impl CapacityIndex {
@@ -154,14 +207,14 @@ impl CapacityIndex {
             driver: driver.into(),
             default_size,
             seq: 0,
+            next_node_id: 0,
             classes: HashMap::new(),
             claims: HashMap::new(),
             volumes: HashMap::new(),
             volume_keys: HashMap::new(),
             pods: HashMap::new(),
-            capacity: HashMap::default(),
+            nodes: NodeTable::new(),
             allocations: HashMap::new(),
-            by_node: HashMap::default(),
         }
     }
 
@@ -454,31 +507,49 @@ impl CapacityIndex {
         let published = published_capacity(&self.driver, object);
         self.bump();
         let seq = self.seq;
-        let record = self.capacity.entry(node).or_insert_with(|| CapacityRecord {
-            published: published.clone(),
-            seq,
-            objects: BTreeMap::new(),
+        let next_node_id = &mut self.next_node_id;
+        let entry = self.nodes.get_or_insert_with(&node, NodeEntry::default);
+        let record = entry.capacity.get_or_insert_with(|| {
+            *next_node_id += 1;
+            CapacityRecord {
+                id: NodeId(*next_node_id),
+                pools: SmallVec::from_slice(&published.pools),
+                published: published.clone(),
+                seq,
+                objects: BTreeMap::new(),
+            }
         });
         record.objects.insert(name, published.clone());
         if record.published != published {
-            record.published = published;
+            record.set_published(published);
             record.seq = seq;
         }
     }
 
     /// Removes a CSIStorageCapacity object.
     pub fn delete_capacity(&mut self, name: &str) {
-        let mut emptied = None;
-        for (node, record) in self.capacity.iter_mut() {
+        let mut emptied = Vec::new();
+        for (node, entry) in self.nodes.iter_mut() {
+            let Some(record) = entry.capacity.as_mut() else {
+                continue;
+            };
             if record.objects.remove(name).is_some() {
                 match record.objects.values().next() {
-                    Some(other) => record.published = other.clone(),
-                    None => emptied = Some(node.clone()),
+                    Some(other) => {
+                        let other = other.clone();
+                        record.set_published(other);
+                    }
+                    None => {
+                        entry.capacity = None;
+                        if entry.volumes.is_empty() {
+                            emptied.push(node.to_owned());
+                        }
+                    }
                 }
             }
         }
-        if let Some(node) = emptied {
-            self.capacity.remove(&node);
+        for node in emptied {
+            self.nodes.remove(&node);
         }
         self.bump();
     }
@@ -489,25 +560,30 @@ impl CapacityIndex {
         let mut unreflected = Vec::new();
         let (published, allocated) = self.usage_into(node, own_claims, &mut unreflected);
         NodeUsage {
-            published: published.cloned(),
+            published: published.map(|p| PublishedCapacity {
+                pools: p.pools.to_vec(),
+                managed: p.managed,
+                alignment: p.alignment,
+            }),
             allocated,
             unreflected,
         }
     }
 
-    /// [`CapacityIndex::usage`] without allocating: the published capacity by reference, the
-    /// allocated bytes, and the unreflected sizes appended to `unreflected` (the extender's
-    /// /filter asks for thousands of nodes per call).
+    /// [`CapacityIndex::usage`] without allocating: the node's id and published capacity by
+    /// reference, the allocated bytes, and the unreflected sizes appended to `unreflected` (the
+    /// extender's /filter asks for thousands of nodes per call).
     pub fn usage_into(
         &self,
         node: &str,
         own_claims: &[(String, String)],
         unreflected: &mut Vec<u64>,
-    ) -> (Option<&PublishedCapacity>, u64) {
-        let record = self.capacity.get(node);
+    ) -> (Option<Published<'_>>, u64) {
+        let entry = self.nodes.get(node);
+        let record = entry.and_then(|e| e.capacity.as_ref());
         let alignment = record.map(|r| r.published.alignment).unwrap_or(1);
         let mut allocated = 0u64;
-        for key in self.by_node.get(node).into_iter().flatten() {
+        for key in entry.map(|e| &e.volumes).into_iter().flatten() {
             if let VolumeKey::Claim { namespace, name } = key
                 && own_claims.iter().any(|(n, c)| n == namespace && c == name)
             {
@@ -522,12 +598,20 @@ impl CapacityIndex {
                 unreflected.push(size);
             }
         }
-        (record.map(|r| &r.published), allocated)
+        (record.map(CapacityRecord::view), allocated)
+    }
+
+    /// The id of a node that published capacity.
+    pub fn node_id(&self, node: &str) -> Option<NodeId> {
+        self.nodes.get(node)?.capacity.as_ref().map(|r| r.id)
     }
 
     /// Names of the nodes that published capacity.
-    pub fn nodes(&self) -> impl Iterator<Item = &String> {
-        self.capacity.keys()
+    pub fn nodes(&self) -> impl Iterator<Item = &str> {
+        self.nodes
+            .iter()
+            .filter(|(_, e)| e.capacity.is_some())
+            .map(|(name, _)| name)
     }
 
     fn bump(&mut self) {
@@ -565,17 +649,17 @@ impl CapacityIndex {
             return;
         }
         if let Some(old) = self.allocations.remove(key)
-            && let Some(keys) = self.by_node.get_mut(&old.node)
+            && let Some(entry) = self.nodes.get_mut(&old.node)
         {
-            keys.remove(key);
-            if keys.is_empty() {
-                self.by_node.remove(&old.node);
+            entry.volumes.remove(key);
+            if entry.volumes.is_empty() && entry.capacity.is_none() {
+                self.nodes.remove(&old.node);
             }
         }
         if let Some((node, size)) = wanted {
-            self.by_node
-                .entry(node.clone())
-                .or_default()
+            self.nodes
+                .get_or_insert_with(&node, NodeEntry::default)
+                .volumes
                 .insert(key.clone());
             self.allocations.insert(
                 key.clone(),
@@ -939,6 +1023,31 @@ mod tests {
         theirs.metadata.labels = None;
         index.apply_capacity(&theirs);
         assert_eq!(index.nodes().count(), 0);
+    }
+
+    #[test]
+    fn node_ids_last_while_a_node_publishes() {
+        let mut index = index();
+        assert_eq!(index.node_id("n1"), None);
+        index.apply_capacity(&capacity("cap-n1-c", "n1", "3Gi", None));
+        index.apply_capacity(&capacity("cap-n2-c", "n2", "3Gi", None));
+        let (n1, n2) = (index.node_id("n1"), index.node_id("n2"));
+        assert!(n1.is_some() && n2.is_some() && n1 != n2);
+        assert_eq!(
+            index.usage_into("n1", &[], &mut Vec::new()).0.map(|p| p.id),
+            n1
+        );
+        // Updates and a second object keep the id.
+        index.apply_capacity(&capacity("cap-n1-c", "n1", "1Gi", None));
+        index.apply_capacity(&capacity("cap-n1-d", "n1", "1Gi", None));
+        index.delete_capacity("cap-n1-c");
+        assert_eq!(index.node_id("n1"), n1);
+        // Gone and back: a new id, never one used before.
+        index.delete_capacity("cap-n1-d");
+        assert_eq!(index.node_id("n1"), None);
+        index.apply_capacity(&capacity("cap-n1-c", "n1", "3Gi", None));
+        let again = index.node_id("n1");
+        assert!(again.is_some() && again != n1 && again != n2);
     }
 
     #[test]

@@ -14,6 +14,7 @@ pub mod extender_metrics;
 pub mod fit;
 pub mod https;
 pub mod mutation;
+pub mod node_table;
 pub mod placement;
 pub mod pod_volumes;
 pub mod reservation_book;

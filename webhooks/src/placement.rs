@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 
-use crate::capacity_index::{CapacityIndex, ClaimRecord};
+use crate::capacity_index::{CapacityIndex, ClaimRecord, NodeId};
 use crate::extender_api::{
     ExtenderFilterResult, ExtenderPreemptionResult, ExtenderRequest, HostPriorityList,
     PreemptionRequest, Rejection,
@@ -100,7 +100,7 @@ pub struct FilterOutcome {
 pub struct ExtenderState {
     /// What is published and allocated.
     pub index: CapacityIndex,
-    book: ReservationBook,
+    book: ReservationBook<NodeId>,
 }
 
 impl ExtenderState {
@@ -129,7 +129,10 @@ impl ExtenderState {
     pub fn apply_pod(&mut self, pod: &Pod) -> bool {
         let bound = self.index.apply_pod(pod);
         match (bound, pod.metadata.uid.as_deref(), pod_node(pod)) {
-            (true, Some(uid), Some(node)) => !self.book.pod_bound(uid, node).is_empty(),
+            (true, Some(uid), Some(node)) => !self
+                .book
+                .pod_bound(uid, self.index.node_id(node))
+                .is_empty(),
             _ => false,
         }
     }
@@ -226,44 +229,50 @@ impl ExtenderState {
     fn view(&self, node: &str, demand: &Demand, pod_uid: &str) -> Option<NodeView> {
         let mut view = NodeView::default();
         self.view_into(node, demand, pod_uid, &mut view)
-            .then_some(view)
+            .map(|_| view)
     }
 
-    /// Fills `view` (reusing its vectors) with `node` as the pod sees it; `false` when the
-    /// node published no capacity.
-    fn view_into(&self, node: &str, demand: &Demand, pod_uid: &str, view: &mut NodeView) -> bool {
+    /// Fills `view` (reusing its vectors) with `node` as the pod sees it and returns the node's
+    /// id; `None` when the node published no capacity.
+    fn view_into(
+        &self,
+        node: &str,
+        demand: &Demand,
+        pod_uid: &str,
+        view: &mut NodeView,
+    ) -> Option<NodeId> {
         view.unreflected.clear();
         let (published, allocated) =
             self.index
                 .usage_into(node, &demand.own_claims, &mut view.unreflected);
-        let Some(published) = published else {
-            return false;
-        };
+        let published = published?;
         view.reserved = self
             .book
-            .reserved_into(node, pod_uid, &mut view.unreflected);
+            .reserved_into(&published.id, pod_uid, &mut view.unreflected);
         view.pools.clear();
-        view.pools.extend_from_slice(&published.pools);
+        view.pools.extend_from_slice(published.pools);
         view.managed = published.managed.unwrap_or(u64::MAX);
         view.allocated = allocated;
         view.alignment = published.alignment;
-        true
+        Some(published.id)
     }
 
     /// Free bytes after placing the pod on `node`, or why it does not fit.
     fn fit_on(&self, node: &str, demand: &Demand, pod_uid: &str) -> Result<u64, String> {
         self.fit_on_with(node, demand, pod_uid, &mut NodeView::default())
+            .map(|(_, free)| free)
     }
 
-    /// [`ExtenderState::fit_on`] with a scratch view reused across nodes.
+    /// [`ExtenderState::fit_on`] with a scratch view reused across nodes, also returning the
+    /// node's id.
     fn fit_on_with(
         &self,
         node: &str,
         demand: &Demand,
         pod_uid: &str,
         scratch: &mut NodeView,
-    ) -> Result<u64, String> {
-        if !self.view_into(node, demand, pod_uid, scratch) {
+    ) -> Result<(NodeId, u64), String> {
+        let Some(id) = self.view_into(node, demand, pod_uid, scratch) else {
             return Err(fit::reason(&fit::Insufficient {
                 volumes: demand.sizes.len(),
                 bytes: demand
@@ -271,8 +280,10 @@ impl ExtenderState {
                     .iter()
                     .fold(0, |s: u64, v| s.saturating_add(*v)),
             }));
-        }
-        fit::free_after(scratch, &demand.sizes).map_err(|e| fit::reason(&e))
+        };
+        fit::free_after(scratch, &demand.sizes)
+            .map(|free| (id, free))
+            .map_err(|e| fit::reason(&e))
     }
 
     /// `/filter`: which candidates the pod fits on, reserving per `placement`.
@@ -316,7 +327,7 @@ impl ExtenderState {
         // kube-scheduler may send thousands of names.
         let names = request.candidates.names();
         let mut scratch = NodeView::default();
-        let verdicts: Vec<Result<u64, Rejection>> = names
+        let verdicts: Vec<Result<(NodeId, u64), Rejection>> = names
             .iter()
             .map(|node| {
                 if driverless(node) {
@@ -332,7 +343,7 @@ impl ExtenderState {
                 let fitting = names
                     .iter()
                     .zip(&verdicts)
-                    .filter_map(|(n, v)| v.as_ref().ok().map(|free| (*n, Some(*free))));
+                    .filter_map(|(n, v)| v.as_ref().ok().map(|(_, free)| (*n, Some(*free))));
                 let best = score::best(policy, fitting);
                 names
                     .iter()
@@ -347,20 +358,20 @@ impl ExtenderState {
         if tracing::enabled!(tracing::Level::DEBUG) {
             for (node, verdict) in names.iter().zip(&verdicts) {
                 let detail = match verdict {
-                    Ok(free) => format!("fits, {free} bytes free after"),
+                    Ok((_, free)) => format!("fits, {free} bytes free after"),
                     Err(Rejection::Resolvable(r) | Rejection::Unresolvable(r)) => r.clone(),
                 };
                 outcome.details.insert((*node).to_string(), detail);
             }
         }
         // Kept as a list: the book hashes it once; duplicates collapse there.
-        let chosen_nodes: Vec<String> = names
+        let chosen_nodes: Vec<NodeId> = verdicts
             .iter()
             .zip(&chosen)
             .filter(|(_, c)| **c)
-            .map(|(n, _)| (*n).to_string())
+            .filter_map(|(v, _)| v.as_ref().ok().map(|(id, _)| *id))
             .collect();
-        outcome.result_nodes = chosen_nodes.len();
+        outcome.result_nodes = chosen.iter().filter(|c| **c).count();
         if placement != Placement::Scheduler && !chosen_nodes.is_empty() {
             self.book
                 .reserve(&uid, chosen_nodes, demand.entries.clone(), now);

@@ -19,10 +19,12 @@
 //!
 //! Time is an [`Instant`] passed in; the book never reads a clock.
 
+use std::borrow::Borrow;
 use std::collections::{BTreeMap, HashSet};
+use std::hash::Hash;
+use std::time::{Duration, Instant};
 
 use crate::capacity_index::NodeHasher;
-use std::time::{Duration, Instant};
 
 /// How long a reservation lives when nothing ends it (`--reservation-ttl` default).
 pub const DEFAULT_TTL: Duration = Duration::from_secs(10 * 60);
@@ -57,11 +59,11 @@ pub struct Entry {
 
 /// A reservation as reported when it ends other than by its entries (for logs and counters).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ReservationSummary {
+pub struct ReservationSummary<N = String> {
     /// The owning pod's uid.
     pub pod_uid: String,
     /// The nodes it was held on, in no particular order.
-    pub nodes: Vec<String>,
+    pub nodes: Vec<N>,
     /// The entries still open.
     pub entries: Vec<Entry>,
     /// When it was made.
@@ -69,16 +71,16 @@ pub struct ReservationSummary {
 }
 
 #[derive(Clone, Debug)]
-struct Reservation {
+struct Reservation<N> {
     // Hashed: `reserved_on` asks once per candidate node, thousands per /filter.
-    nodes: HashSet<String, NodeHasher>,
+    nodes: HashSet<N, NodeHasher>,
     entries: BTreeMap<EntryKey, u64>,
     created: Instant,
     /// `None`: the TTL does not fit into an `Instant`, so it never expires.
     expires: Option<Instant>,
 }
 
-impl Reservation {
+impl<N> Reservation<N> {
     fn bytes(&self) -> u64 {
         self.entries
             .values()
@@ -87,7 +89,7 @@ impl Reservation {
 
     /// Moves the nodes out instead of copying them: a reserve-all reservation can name
     /// thousands, and every /filter of a pod replaces the previous one.
-    fn into_summary(self, pod_uid: &str) -> ReservationSummary {
+    fn into_summary(self, pod_uid: &str) -> ReservationSummary<N> {
         ReservationSummary {
             pod_uid: pod_uid.to_owned(),
             nodes: self.nodes.into_iter().collect(),
@@ -104,23 +106,26 @@ impl Reservation {
     }
 }
 
-/// All open reservations of one extender instance.
+/// All open reservations of one extender instance, on nodes identified by `N` (the extender
+/// uses the capacity index's [`crate::capacity_index::NodeId`]: a reserve-all reservation names
+/// thousands of nodes, and every /filter of a pod replaces it, so node names would be
+/// allocated, hashed and freed thousands of times per call).
 #[derive(Clone, Debug)]
-pub struct ReservationBook {
+pub struct ReservationBook<N = String> {
     ttl: Duration,
-    by_pod: BTreeMap<String, Reservation>,
+    by_pod: BTreeMap<String, Reservation<N>>,
     /// Which pod's reservation holds each claim: a claim is held at most once, even when several
     /// pending pods use it, so that it is never counted twice.
     claims: BTreeMap<(String, String), String>,
 }
 
-impl Default for ReservationBook {
+impl<N: Hash + Eq + Clone> Default for ReservationBook<N> {
     fn default() -> Self {
         Self::new(DEFAULT_TTL)
     }
 }
 
-impl ReservationBook {
+impl<N: Hash + Eq + Clone> ReservationBook<N> {
     /// An empty book whose reservations expire `ttl` after they are made.
     pub fn new(ttl: Duration) -> Self {
         ReservationBook {
@@ -139,12 +144,12 @@ impl ReservationBook {
     pub fn reserve(
         &mut self,
         pod_uid: &str,
-        nodes: impl IntoIterator<Item = String>,
+        nodes: impl IntoIterator<Item = N>,
         entries: impl IntoIterator<Item = Entry>,
         now: Instant,
-    ) -> Option<ReservationSummary> {
+    ) -> Option<ReservationSummary<N>> {
         let replaced = self.remove(pod_uid);
-        let nodes: HashSet<String, NodeHasher> = nodes.into_iter().collect();
+        let nodes: HashSet<N, NodeHasher> = nodes.into_iter().collect();
         let entries: BTreeMap<EntryKey, u64> =
             entries.into_iter().map(|e| (e.key, e.size)).collect();
         if nodes.is_empty() || entries.is_empty() {
@@ -193,8 +198,10 @@ impl ReservationBook {
 
     /// The pod was bound to `node`: its inline entries end (returned, for the caller to add to
     /// `allocated` of `node` in the same locked update) and its remaining claim entries are held
-    /// on `node` only, because that is where they will be provisioned.
-    pub fn pod_bound(&mut self, pod_uid: &str, node: &str) -> Vec<Entry> {
+    /// on `node` only, because that is where they will be provisioned. `None`: a node the caller
+    /// cannot identify (one without published capacity, where no fit could count them anyway):
+    /// the claim entries are held nowhere until their selected-node hands them over.
+    pub fn pod_bound(&mut self, pod_uid: &str, node: Option<N>) -> Vec<Entry> {
         let Some(reservation) = self.by_pod.get_mut(pod_uid) else {
             return Vec::new();
         };
@@ -211,7 +218,7 @@ impl ReservationBook {
                 Some(Entry { key, size })
             })
             .collect();
-        reservation.nodes = std::iter::once(node.to_owned()).collect();
+        reservation.nodes = node.into_iter().collect();
         if reservation.entries.is_empty() {
             self.by_pod.remove(pod_uid);
         }
@@ -219,12 +226,12 @@ impl ReservationBook {
     }
 
     /// The pod was deleted: its reservation ends. Returns it, if there was one.
-    pub fn pod_deleted(&mut self, pod_uid: &str) -> Option<ReservationSummary> {
+    pub fn pod_deleted(&mut self, pod_uid: &str) -> Option<ReservationSummary<N>> {
         self.remove(pod_uid)
     }
 
     /// Ends every reservation whose expiry is at or before `now` and returns them.
-    pub fn expire(&mut self, now: Instant) -> Vec<ReservationSummary> {
+    pub fn expire(&mut self, now: Instant) -> Vec<ReservationSummary<N>> {
         let expired: Vec<String> = self
             .by_pod
             .iter()
@@ -236,7 +243,11 @@ impl ReservationBook {
 
     /// Bytes reserved on `node` by every pod except `excluding_pod` (a pod filtered again must not
     /// see its own reservation), as the total and the sizes of the entries.
-    pub fn reserved_on(&self, node: &str, excluding_pod: &str) -> (u64, Vec<u64>) {
+    pub fn reserved_on<Q>(&self, node: &Q, excluding_pod: &str) -> (u64, Vec<u64>)
+    where
+        N: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
         let mut sizes = Vec::new();
         let total = self.reserved_into(node, excluding_pod, &mut sizes);
         (total, sizes)
@@ -244,7 +255,11 @@ impl ReservationBook {
 
     /// [`ReservationBook::reserved_on`] appending the sizes to `sizes` (no allocation on the
     /// extender's per-node path); returns their total.
-    pub fn reserved_into(&self, node: &str, excluding_pod: &str, sizes: &mut Vec<u64>) -> u64 {
+    pub fn reserved_into<Q>(&self, node: &Q, excluding_pod: &str, sizes: &mut Vec<u64>) -> u64
+    where
+        N: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
         let mut total = 0u64;
         for (uid, r) in &self.by_pod {
             if uid.as_str() != excluding_pod && r.nodes.contains(node) {
@@ -277,13 +292,13 @@ impl ReservationBook {
     }
 
     /// The open reservation of a pod, if any.
-    pub fn get(&self, pod_uid: &str) -> Option<ReservationSummary> {
+    pub fn get(&self, pod_uid: &str) -> Option<ReservationSummary<N>> {
         self.by_pod
             .get(pod_uid)
             .map(|r| r.clone().into_summary(pod_uid))
     }
 
-    fn remove(&mut self, pod_uid: &str) -> Option<ReservationSummary> {
+    fn remove(&mut self, pod_uid: &str) -> Option<ReservationSummary<N>> {
         let reservation = self.by_pod.remove(pod_uid)?;
         for key in reservation.entries.keys() {
             if let EntryKey::Claim { namespace, name } = key {
@@ -359,7 +374,7 @@ mod tests {
         }
 
         fn bind(&mut self, pod: &str, node: &str) {
-            for entry in self.book.pod_bound(pod, node) {
+            for entry in self.book.pod_bound(pod, Some(node.to_owned())) {
                 *self.allocated.entry(node.to_owned()).or_default() += entry.size;
             }
         }
@@ -527,7 +542,10 @@ mod tests {
             [claim("c1", GI), inline("p1", "v", 2 * GI)],
             t0,
         );
-        assert_eq!(book.pod_bound("p1", "b"), vec![inline("p1", "v", 2 * GI)]);
+        assert_eq!(
+            book.pod_bound("p1", Some("b".into())),
+            vec![inline("p1", "v", 2 * GI)]
+        );
         assert_eq!(
             book.reserved_on("a", ""),
             (0, vec![]),
@@ -538,18 +556,30 @@ mod tests {
             (GI, vec![GI]),
             "claim stays until selected"
         );
-        assert_eq!(book.pod_bound("p1", "b"), vec![], "idempotent");
-        assert_eq!(book.pod_bound("unknown", "b"), vec![]);
+        assert_eq!(book.pod_bound("p1", Some("b".into())), vec![], "idempotent");
+        assert_eq!(book.pod_bound("unknown", Some("b".into())), vec![]);
 
         book.reserve("p2", nodes(&["a"]), [inline("p2", "v", GI)], t0);
-        assert_eq!(book.pod_bound("p2", "a").len(), 1);
+        assert_eq!(book.pod_bound("p2", Some("a".into())).len(), 1);
         assert_eq!(book.get("p2"), None, "only inline entries: ends");
 
         // Bound to a node the reservation was not on: the claims follow the pod.
         book.reserve("p3", nodes(&["a"]), [claim("c3", GI)], t0);
-        book.pod_bound("p3", "z");
+        book.pod_bound("p3", Some("z".into()));
         assert_eq!(book.reserved_on("z", ""), (GI, vec![GI]));
         assert_eq!(book.reserved_on("a", ""), (0, vec![]));
+
+        // Bound to a node the caller cannot identify: the claim is held nowhere, yet still
+        // hands over once selected.
+        book.reserve("p4", nodes(&["a"]), [claim("c4", GI)], t0);
+        assert_eq!(book.pod_bound("p4", None), vec![]);
+        assert_eq!(book.reserved_on("a", ""), (0, vec![]));
+        assert_eq!(book.total_reserved(), 2 * GI, "p1's claim on b, p3's on z");
+        assert_eq!(
+            book.claim_selected("ns", "c4", "y"),
+            Some(("y".to_owned(), GI))
+        );
+        assert_eq!(book.get("p4"), None);
     }
 
     #[test]
