@@ -95,13 +95,15 @@ pub struct ControlPlane {
 }
 
 impl ControlPlane {
-    /// Starts etcd, kube-apiserver, kube-controller-manager and kube-scheduler under `dir`.
+    /// Starts etcd, kube-apiserver, kube-controller-manager and kube-scheduler under `dir`,
+    /// all under `SCHED_IDLE` when `idle`.
     pub async fn start(
         dir: &Path,
         tools: &Tools,
         pki: &Pki,
         group: &ProcessGroup,
         scheduler: &SchedulerConfig,
+        idle: bool,
     ) -> Result<Self, ControlPlaneError> {
         let certs = dir.join("pki");
         let logs = dir.join("logs");
@@ -123,6 +125,7 @@ impl ControlPlane {
         let peer_url = format!("http://127.0.0.1:{etcd_peer}");
         let etcd = Component::start(
             ProcessSpec::new("etcd", tools.go("etcd"), logs.join("etcd.log"))
+                .idle_priority(idle)
                 .args([
                     "--name=testenv".to_string(),
                     format!("--data-dir={}", etcd_data.display()),
@@ -161,6 +164,7 @@ impl ControlPlane {
                 tools.go("kube-apiserver"),
                 logs.join("kube-apiserver.log"),
             )
+            .idle_priority(idle)
             .args([
                 format!("--etcd-servers={etcd_url}"),
                 "--bind-address=127.0.0.1".into(),
@@ -231,6 +235,7 @@ impl ControlPlane {
                 tools.go("kube-controller-manager"),
                 logs.join("kube-controller-manager.log"),
             )
+            .idle_priority(idle)
             .args([
                 format!("--kubeconfig={}", kcm_kubeconfig.display()),
                 format!("--authentication-kubeconfig={}", kcm_kubeconfig.display()),
@@ -274,6 +279,7 @@ impl ControlPlane {
                 tools.go("kube-scheduler"),
                 logs.join("kube-scheduler.log"),
             )
+            .idle_priority(idle)
             .args([
                 format!("--config={}", config_path.display()),
                 format!("--authentication-kubeconfig={}", sched_kubeconfig.display()),

@@ -92,6 +92,7 @@ pub struct TestEnvBuilder {
     drivers: Option<node_processes::DriverOptions>,
     extender: Option<Vec<String>>,
     token_renewal: std::time::Duration,
+    idle_control_plane: bool,
 }
 
 impl Default for TestEnvBuilder {
@@ -103,6 +104,7 @@ impl Default for TestEnvBuilder {
             drivers: None,
             extender: None,
             token_renewal: service_accounts::TOKEN_LIFETIME / 3,
+            idle_control_plane: false,
         }
     }
 }
@@ -151,6 +153,16 @@ impl TestEnvBuilder {
     /// tests shorten it to see renewal work).
     pub fn token_renewal(mut self, every: std::time::Duration) -> Self {
         self.token_renewal = every;
+        self
+    }
+
+    /// Runs etcd, kube-apiserver, kube-controller-manager and kube-scheduler under
+    /// `SCHED_IDLE`, so that they run only when our processes leave a CPU free. For latency
+    /// benchmarks on small machines: there the control plane's garbage-collection bursts take
+    /// both CPUs for milliseconds and land in the measured latencies of our servers, which in a
+    /// cluster do not share two CPUs with an API server.
+    pub fn control_plane_at_idle_priority(mut self) -> Self {
+        self.idle_control_plane = true;
         self
     }
 
@@ -235,8 +247,15 @@ impl TestEnv {
             dir.path(),
             true,
         )?);
-        let control_plane =
-            ControlPlane::start(dir.path(), &tools, &pki, &group, &builder.scheduler).await?;
+        let control_plane = ControlPlane::start(
+            dir.path(),
+            &tools,
+            &pki,
+            &group,
+            &builder.scheduler,
+            builder.idle_control_plane,
+        )
+        .await?;
         let mut env = Self {
             dir,
             tools,

@@ -148,6 +148,9 @@ pub struct ProcessSpec {
     /// A directory to mount a tmpfs on, in a mount namespace of the process's own: the mount
     /// cannot outlive the process, whatever happens to the test.
     pub private_tmpfs: Option<PathBuf>,
+    /// Run under `SCHED_IDLE` (through `chrt --idle 0`, inherited by every thread): the process
+    /// gets a CPU only when nothing else wants it.
+    pub idle_priority: bool,
 }
 
 impl ProcessSpec {
@@ -164,7 +167,14 @@ impl ProcessSpec {
             env: Vec::new(),
             log: log.into(),
             private_tmpfs: None,
+            idle_priority: false,
         }
+    }
+
+    /// Runs the process under `SCHED_IDLE` when `idle`.
+    pub fn idle_priority(mut self, idle: bool) -> Self {
+        self.idle_priority = idle;
+        self
     }
 
     /// Runs the process in its own mount namespace with a tmpfs on `dir`.
@@ -202,10 +212,20 @@ impl ProcessSpec {
             path: self.log.clone(),
             source,
         })?;
+        let (program, args): (&std::ffi::OsStr, Vec<&std::ffi::OsStr>) = if self.idle_priority {
+            let mut args = vec!["--idle".as_ref(), "0".as_ref(), self.program.as_os_str()];
+            args.extend(self.args.iter().map(OsString::as_os_str));
+            ("chrt".as_ref(), args)
+        } else {
+            (
+                self.program.as_os_str(),
+                self.args.iter().map(OsString::as_os_str).collect(),
+            )
+        };
         let mut command = match &self.private_tmpfs {
             None => {
-                let mut c = Command::new(&self.program);
-                c.args(&self.args);
+                let mut c = Command::new(program);
+                c.args(&args);
                 c
             }
             Some(dir) => {
@@ -216,8 +236,8 @@ impl ProcessSpec {
                     .arg(r#"mount -t tmpfs -o mode=0700 tmpfs "$1" && shift && exec "$@""#)
                     .arg("sh")
                     .arg(dir)
-                    .arg(&self.program)
-                    .args(&self.args);
+                    .arg(program)
+                    .args(&args);
                 c
             }
         };
@@ -490,6 +510,41 @@ mod tests {
         assert_eq!(tail(&path, 2), "c\nd");
         assert_eq!(tail(&path, 10), "a\nb\nc\nd");
         assert!(tail(&dir.path().join("missing"), 2).starts_with("(no log at"));
+    }
+
+    #[tokio::test]
+    async fn idle_priority_reaches_the_program_and_its_threads() {
+        let group = ProcessGroup::new().expect("group");
+        let dir = tempfile::tempdir().expect("tempdir");
+        for (idle, want) in [(true, "SCHED_IDLE"), (false, "SCHED_OTHER")] {
+            let log = dir.path().join(format!("{idle}.log"));
+            // The program itself and a child it forks both report their policy.
+            let script = "chrt -p $$; sh -c 'chrt -p $$'; echo done";
+            let _shell = Component::start(
+                ProcessSpec::new("sh", "sh", &log)
+                    .args(["-c", script])
+                    .idle_priority(idle),
+                &group,
+            )
+            .expect("start");
+            let text = crate::wait::until("the script to finish", Duration::from_secs(20), || {
+                let log = log.clone();
+                async move {
+                    let text = std::fs::read_to_string(&log).map_err(|e| e.to_string())?;
+                    text.contains("done")
+                        .then_some(text)
+                        .ok_or("not done yet".to_string())
+                }
+            })
+            .await
+            .expect("script output");
+            let policies: Vec<&str> = text.lines().filter(|l| l.contains("policy")).collect();
+            assert_eq!(policies.len(), 2, "{text}");
+            assert!(
+                policies.iter().all(|l| l.contains(want)),
+                "idle={idle}: {text}"
+            );
+        }
     }
 
     #[tokio::test]
