@@ -42,8 +42,10 @@ pub struct Scale {
     pub warmup: Duration,
     /// Open-loop rate of `/pod/mutate` requests.
     pub mutate_rate: f64,
-    /// How long the mutate rate is held.
+    /// How long the mutate rate is held per window.
     pub mutate_duration: Duration,
+    /// Measured windows per fixed-rate benchmark; the one with the least stolen CPU is kept.
+    pub windows: usize,
     /// How long all connections send back-to-back for the maximum mutate rate.
     pub max_rate_duration: Duration,
     /// Node names per `/filter` request, one benchmark each.
@@ -62,6 +64,7 @@ impl Scale {
             warmup: Duration::from_secs(1),
             mutate_rate: 1000.0,
             mutate_duration: Duration::from_secs(10),
+            windows: 3,
             max_rate_duration: Duration::from_secs(5),
             filter_names: vec![500, FILTER_TARGET_NAMES],
             filter_rate: 200.0,
@@ -76,6 +79,7 @@ impl Scale {
             warmup: Duration::from_millis(500),
             mutate_rate: 100.0,
             mutate_duration: Duration::from_secs(2),
+            windows: 1,
             max_rate_duration: Duration::from_secs(1),
             filter_names: vec![50],
             filter_rate: 20.0,
@@ -103,30 +107,77 @@ async fn stop(env: TestEnv) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Warm-up, then the open-loop run at `rate`; fails on any failed request.
+/// CPU time the hypervisor gave to other guests (`steal` of `/proc/stat`, all CPUs), in
+/// milliseconds; `None` where the kernel does not report it.
+fn steal_ms() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let ticks: f64 = stat
+        .lines()
+        .find(|l| l.starts_with("cpu "))?
+        .split_whitespace()
+        .nth(8)?
+        .parse()
+        .ok()?;
+    // USER_HZ is 100 on every Linux architecture we run on.
+    Some(ticks * 10.0)
+}
+
+/// One measured window and the CPU time stolen from this machine meanwhile.
+struct Window {
+    outcome: Outcome,
+    steal_ms: Option<f64>,
+}
+
+/// Warm-up, then `scale.windows` open-loop windows at `rate`; fails on any failed request.
+/// Returns the window with the least stolen CPU time (on a shared virtual machine a window
+/// can lose 10 % of its CPU time to other guests, milliseconds at a time, which is not the
+/// server's latency) and, for the results, every window's p99 and steal.
 async fn measured_run(
     pool: &mut Pool,
     what: &str,
     rate: f64,
     scale: &Scale,
     duration: Duration,
-) -> anyhow::Result<Outcome> {
+) -> anyhow::Result<(Outcome, serde_json::Value)> {
     let warmup = pool.open_loop(rate, scale.warmup).await?;
     warmup.ensure_no_failures(&format!("{what} warm-up"))?;
-    let outcome = pool.open_loop(rate, duration).await?;
-    outcome.ensure_no_failures(what)?;
-    println!(
-        "{what}: {} requests at {rate} req/s ({:.0} achieved) over {} connections: p50 {:.3} p99 {:.3} max {:.3} ms (from actual send: p50 {:.3} p99 {:.3} ms)",
-        outcome.latencies_ms.len(),
-        outcome.rate(),
-        pool.size(),
-        crate::report::quantile(&outcome.latencies_ms, 0.5),
-        crate::report::quantile(&outcome.latencies_ms, 0.99),
-        crate::report::quantile(&outcome.latencies_ms, 1.0),
-        crate::report::quantile(&outcome.service_ms, 0.5),
-        crate::report::quantile(&outcome.service_ms, 0.99),
+    let mut windows = Vec::new();
+    for _ in 0..scale.windows.max(1) {
+        let before = steal_ms();
+        let outcome = pool.open_loop(rate, duration).await?;
+        outcome.ensure_no_failures(what)?;
+        let steal_ms = before.zip(steal_ms()).map(|(b, a)| a - b);
+        println!(
+            "{what}: {} requests at {rate} req/s ({:.0} achieved) over {} connections: p50 {:.3} p99 {:.3} max {:.3} ms (from actual send: p50 {:.3} p99 {:.3} ms), {} ms CPU stolen",
+            outcome.latencies_ms.len(),
+            outcome.rate(),
+            pool.size(),
+            crate::report::quantile(&outcome.latencies_ms, 0.5),
+            crate::report::quantile(&outcome.latencies_ms, 0.99),
+            crate::report::quantile(&outcome.latencies_ms, 1.0),
+            crate::report::quantile(&outcome.service_ms, 0.5),
+            crate::report::quantile(&outcome.service_ms, 0.99),
+            steal_ms.map_or("?".into(), |s| format!("{s:.0}")),
+        );
+        windows.push(Window { outcome, steal_ms });
+    }
+    let summary = serde_json::json!(
+        windows
+            .iter()
+            .map(|w| serde_json::json!({
+                "p99_ms": crate::report::quantile(&w.outcome.latencies_ms, 0.99),
+                "steal_ms": w.steal_ms,
+            }))
+            .collect::<Vec<_>>()
     );
-    Ok(outcome)
+    let kept = windows
+        .into_iter()
+        .min_by(|a, b| {
+            let steal = |w: &Window| w.steal_ms.unwrap_or(0.0);
+            steal(a).total_cmp(&steal(b))
+        })
+        .context("no window measured")?;
+    Ok((kept.outcome, summary))
 }
 
 /// An AdmissionReview v1 of creating `pod`, as the apiserver sends it.
@@ -228,7 +279,8 @@ async fn mutate_on(env: &TestEnv, scale: &Scale) -> anyhow::Result<Vec<Benchmark
     let mut pool = Pool::connect(endpoint, scale.connections).await?;
     let rate = scale.mutate_rate;
     let name = format!("webhook-mutate-{rate}rps");
-    let fixed = measured_run(&mut pool, &name, rate, scale, scale.mutate_duration).await?;
+    let (fixed, windows) =
+        measured_run(&mut pool, &name, rate, scale, scale.mutate_duration).await?;
     let max = pool.max_rate(scale.max_rate_duration).await?;
     max.ensure_no_failures("webhook-mutate-max-rate")?;
     println!(
@@ -259,9 +311,10 @@ async fn mutate_on(env: &TestEnv, scale: &Scale) -> anyhow::Result<Vec<Benchmark
         Benchmark {
             name: format!("webhook-mutate-{rate}rps"),
             description: format!(
-                "ms from a /pod/mutate request's scheduled send (open loop, {rate} req/s, {} keep-alive TLS connections, {} s) to the end of the answer; `secondary`: from its actual send",
+                "ms from a /pod/mutate request's scheduled send (open loop, {rate} req/s, {} keep-alive TLS connections, the {} s window of {} with the least CPU stolen by the hypervisor; control plane at SCHED_IDLE) to the end of the answer; `secondary`: from its actual send",
                 scale.connections,
-                scale.mutate_duration.as_secs_f64()
+                scale.mutate_duration.as_secs_f64(),
+                scale.windows
             ),
             unit: "ms".into(),
             samples: fixed.latencies_ms.clone(),
@@ -272,6 +325,7 @@ async fn mutate_on(env: &TestEnv, scale: &Scale) -> anyhow::Result<Vec<Benchmark
                 "duration_s": scale.mutate_duration.as_secs_f64(),
                 "achieved_rate_per_s": fixed.rate(),
                 "failures": fixed.failures,
+                "windows": windows,
             })),
         },
         Benchmark {
@@ -396,13 +450,15 @@ async fn filter_on(env: &TestEnv, scale: &Scale) -> anyhow::Result<Vec<Benchmark
         let mut pool = Pool::connect(endpoint, scale.connections).await?;
         let name = format!("extender-filter-{names}-names");
         let rate = scale.filter_rate;
-        let outcome = measured_run(&mut pool, &name, rate, scale, scale.filter_duration).await?;
+        let (outcome, windows) =
+            measured_run(&mut pool, &name, rate, scale, scale.filter_duration).await?;
         out.push(Benchmark {
             name,
             description: format!(
-                "ms from a /filter request's scheduled send (open loop, {rate} req/s, {} keep-alive connections, {} s; {names} node names, all fitting) to the end of the answer; `secondary`: from its actual send",
+                "ms from a /filter request's scheduled send (open loop, {rate} req/s, {} keep-alive connections, the {} s window of {} with the least CPU stolen by the hypervisor; control plane at SCHED_IDLE; {names} node names, all fitting) to the end of the answer; `secondary`: from its actual send",
                 scale.connections,
-                scale.filter_duration.as_secs_f64()
+                scale.filter_duration.as_secs_f64(),
+                scale.windows
             ),
             unit: "ms".into(),
             samples: outcome.latencies_ms.clone(),
@@ -427,6 +483,7 @@ async fn filter_on(env: &TestEnv, scale: &Scale) -> anyhow::Result<Vec<Benchmark
                 "placement": "reserve-all (default)",
                 "achieved_rate_per_s": outcome.rate(),
                 "failures": outcome.failures,
+                "windows": windows,
             }),
         });
     }
@@ -436,6 +493,13 @@ async fn filter_on(env: &TestEnv, scale: &Scale) -> anyhow::Result<Vec<Benchmark
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn steal_is_read_and_never_decreases() {
+        let first = steal_ms().expect("/proc/stat reports steal");
+        let second = steal_ms().expect("/proc/stat reports steal");
+        assert!(first >= 0.0 && second >= first, "{first} then {second}");
+    }
 
     #[test]
     fn bodies_are_what_the_servers_decode() {
