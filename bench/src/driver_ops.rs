@@ -1,7 +1,7 @@
 //! Node driver benchmarks: CreateVolume and DeleteVolume latency and throughput over the real
 //! socket for `fake` and `emulated`, with the costs they cannot avoid measured beside them on
-//! the same disk: a crash-safe state write (fsync of the file and of its directory) and the
-//! allocation of a volume file (`fallocate`).
+//! the same disk, one sample right before each create: a crash-safe state write (fsync of the
+//! file and of its directory) and the allocation of a volume file (`fallocate`).
 
 use std::io::Write;
 use std::path::Path;
@@ -27,36 +27,43 @@ fn ms(start: Instant) -> f64 {
     start.elapsed().as_secs_f64() * 1000.0
 }
 
-/// Crash-safe small-file writes as node state does them.
-fn fsync_samples(dir: &Path, n: usize) -> anyhow::Result<Vec<f64>> {
-    let d = std::fs::File::open(dir)?;
-    let mut samples = Vec::with_capacity(n);
-    for i in 0..n {
-        let start = Instant::now();
-        let tmp = dir.join(format!("f{i}.json.tmp"));
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(&[b'x'; 200])?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, dir.join(format!("f{i}.json")))?;
-        d.sync_all()?;
-        samples.push(ms(start));
-    }
-    Ok(samples)
+/// The unavoidable cost a create is compared with, measured right before each create so that
+/// both see the same disk (journal commits, writeback and stolen CPU come and go within a run).
+#[derive(Clone, Copy)]
+enum Baseline {
+    /// A crash-safe small-file write as node state does it.
+    Fsync,
+    /// The allocation of one volume file.
+    Fallocate,
 }
 
-/// Allocation of one volume file.
-fn fallocate_samples(dir: &Path, n: usize) -> anyhow::Result<Vec<f64>> {
-    let mut samples = Vec::with_capacity(n);
-    for i in 0..n {
-        let path = dir.join(format!("v{i}.pmem"));
-        let start = Instant::now();
-        let f = std::fs::File::create(&path)?;
-        rustix::fs::fallocate(&f, rustix::fs::FallocateFlags::empty(), 0, VOLUME_SIZE)?;
-        samples.push(ms(start));
-        drop(f);
-        std::fs::remove_file(&path)?;
+impl Baseline {
+    /// One sample in `dir`, in ms.
+    fn sample(self, dir: &Path, i: usize) -> anyhow::Result<f64> {
+        match self {
+            Baseline::Fsync => {
+                let d = std::fs::File::open(dir)?;
+                let start = Instant::now();
+                let tmp = dir.join(format!("f{i}.json.tmp"));
+                let mut f = std::fs::File::create(&tmp)?;
+                f.write_all(&[b'x'; 200])?;
+                f.sync_all()?;
+                std::fs::rename(&tmp, dir.join(format!("f{i}.json")))?;
+                d.sync_all()?;
+                Ok(ms(start))
+            }
+            Baseline::Fallocate => {
+                let path = dir.join(format!("v{i}.pmem"));
+                let start = Instant::now();
+                let f = std::fs::File::create(&path)?;
+                rustix::fs::fallocate(&f, rustix::fs::FallocateFlags::empty(), 0, VOLUME_SIZE)?;
+                let took = ms(start);
+                drop(f);
+                std::fs::remove_file(&path)?;
+                Ok(took)
+            }
+        }
     }
-    Ok(samples)
 }
 
 fn capability() -> VolumeCapability {
@@ -80,13 +87,26 @@ fn create_request(name: String) -> CreateVolumeRequest {
     }
 }
 
-/// Create and delete latency (ms) and combined throughput (ops/s) of one device mode.
+/// What one device mode measured.
+struct ModeSamples {
+    creates: Vec<f64>,
+    deletes: Vec<f64>,
+    /// Creates plus deletes per second, baseline samples excluded.
+    throughput: f64,
+    /// The baseline, one sample before each create.
+    baseline: Vec<f64>,
+}
+
+/// Create and delete latency (ms) and combined throughput (ops/s) of one device mode, with a
+/// `baseline` sample in `probe` before each create.
 async fn driver_samples(
     binary: &Path,
     root: &Path,
     mode: &str,
     n: usize,
-) -> anyhow::Result<(Vec<f64>, Vec<f64>, f64)> {
+    baseline: Baseline,
+    probe: &Path,
+) -> anyhow::Result<ModeSamples> {
     let mut dirs = NodeDriverDirs::under(root);
     // In a pod the driver's stderr is a pipe to the container runtime. A log file on the state
     // directory's file system would instead join every state fsync's journal commit (ext4
@@ -128,12 +148,17 @@ async fn driver_samples(
     }
     let mut creates = Vec::with_capacity(n);
     let mut deletes = Vec::with_capacity(n);
+    let mut baselines = Vec::with_capacity(n);
+    let mut baseline_time = 0.0;
     let total = Instant::now();
     let mut done = 0;
     while done < n {
         let batch = BATCH.min(n - done);
         let mut ids = Vec::with_capacity(batch);
         for i in 0..batch {
+            let took = baseline.sample(probe, done + i)?;
+            baseline_time += took;
+            baselines.push(took);
             let start = Instant::now();
             let volume = client
                 .create_volume(create_request(format!("pvc-bench-{}", done + i)))
@@ -156,9 +181,15 @@ async fn driver_samples(
         }
         done += batch;
     }
-    let throughput = (2 * n) as f64 / total.elapsed().as_secs_f64();
+    let elapsed = total.elapsed().as_secs_f64() - baseline_time / 1000.0;
+    let throughput = (2 * n) as f64 / elapsed;
     driver.stop().await;
-    Ok((creates, deletes, throughput))
+    Ok(ModeSamples {
+        creates,
+        deletes,
+        throughput,
+        baseline: baselines,
+    })
 }
 
 /// Every driver benchmark, `n` samples each, on a disk-backed directory under `work`.
@@ -180,12 +211,28 @@ pub async fn run(binary: &Path, work: &Path, n: usize) -> anyhow::Result<Vec<Ben
     });
     let probe = root.path().join("probe");
     std::fs::create_dir_all(&probe)?;
-    let fsync = fsync_samples(&probe, n)?;
-    let fallocate = fallocate_samples(&probe, n)?;
-    let (fake_create, fake_delete, fake_tp) =
-        driver_samples(binary, &root.path().join("fake"), "fake", n).await?;
+    let fake = driver_samples(
+        binary,
+        &root.path().join("fake"),
+        "fake",
+        n,
+        Baseline::Fsync,
+        &probe,
+    )
+    .await?;
+    let emulated = driver_samples(
+        binary,
+        &root.path().join("emulated"),
+        "emulated",
+        n,
+        Baseline::Fallocate,
+        &probe,
+    )
+    .await?;
+    let (fsync, fallocate) = (fake.baseline, emulated.baseline);
+    let (fake_create, fake_delete, fake_tp) = (fake.creates, fake.deletes, fake.throughput);
     let (emu_create, emu_delete, emu_tp) =
-        driver_samples(binary, &root.path().join("emulated"), "emulated", n).await?;
+        (emulated.creates, emulated.deletes, emulated.throughput);
     let bench =
         |name: &str, description: &str, unit: &str, samples: Vec<f64>, target: Target| Benchmark {
             name: name.into(),
@@ -206,14 +253,14 @@ pub async fn run(binary: &Path, work: &Path, n: usize) -> anyhow::Result<Vec<Ben
     Ok(vec![
         bench(
             "fsync-file-and-dir",
-            "write 200 bytes to a temporary file, fsync it, rename it, fsync the directory (ms)",
+            "write 200 bytes to a temporary file, fsync it, rename it, fsync the directory (ms); one sample right before each fake create",
             "ms",
             fsync,
             Target::none(),
         ),
         bench(
             "fallocate-4MiB",
-            "create a file and fallocate 4 MiB (ms)",
+            "create a file and fallocate 4 MiB (ms); one sample right before each emulated create",
             "ms",
             fallocate,
             Target::none(),
