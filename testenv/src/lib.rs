@@ -548,7 +548,7 @@ impl TestEnv {
         overrides: &manifests::Overrides,
     ) -> Result<ProcessSpec, TestEnvError> {
         let rendered = if which == manifests::OurContainer::Controller
-            && !overrides.flags().any(|f| f == "--webhook-address")
+            && !overrides.gives("--webhook-address")
         {
             // Without the webhook the controller runs as the base installs it.
             &self.manifests_base
@@ -620,8 +620,8 @@ impl TestEnv {
 
     /// Starts a supervised `pmem-csi controller` as the manifests run it, changed by
     /// `overrides` (test items as [`manifests::Overrides::from_args`] reads them), logging to
-    /// `logs/<name>.log`. With `--webhook-address` among them it runs as the scheduler-extender
-    /// component configures it, otherwise as the base does.
+    /// `logs/<name>.log`. When they give `--webhook-address` it runs as the scheduler-extender
+    /// component configures it, otherwise (also when they remove it) as the base does.
     pub fn supervise_controller(
         &self,
         name: &str,

@@ -209,8 +209,9 @@ pub fn expand(arg: &str, env: &BTreeMap<String, String>) -> String {
 }
 
 /// The one documented way testenv changes a rendered command line. Each entry names a flag
-/// (`--name`) and either replaces its value in place, adds it at the end when absent, or removes
-/// it. What testenv itself overrides, and why:
+/// (`--name`) and either replaces its value in place (all its occurrences become one), adds it
+/// at the end when absent, adds one more occurrence of a repeatable flag, or removes it. What
+/// testenv itself overrides, and why:
 ///
 /// | flag | why |
 /// |---|---|
@@ -230,6 +231,7 @@ pub struct Overrides {
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Override {
     Set(String),
+    Add(String),
     Switch,
     Remove,
 }
@@ -240,7 +242,8 @@ impl Overrides {
         Self::default()
     }
 
-    /// Parses `--flag=value` / `--flag` / `!--flag` (remove) items, as tests write them.
+    /// Parses `--flag=value` / `--flag` / `!--flag` (remove) / `+--flag=value` (one more
+    /// occurrence of a repeatable flag) items, as tests write them.
     pub fn from_args<I, S>(items: I) -> Self
     where
         I: IntoIterator<Item = S>,
@@ -251,6 +254,10 @@ impl Overrides {
             let item = item.as_ref();
             if let Some(flag) = item.strip_prefix('!') {
                 overrides = overrides.remove(flag);
+            } else if let Some((flag, value)) =
+                item.strip_prefix('+').and_then(|i| i.split_once('='))
+            {
+                overrides = overrides.add(flag, value);
             } else if let Some((flag, value)) = item.split_once('=') {
                 overrides = overrides.set(flag, value);
             } else {
@@ -264,6 +271,14 @@ impl Overrides {
     pub fn set(mut self, flag: &str, value: impl Into<String>) -> Self {
         self.entries
             .push((normalize(flag), Override::Set(value.into())));
+        self
+    }
+
+    /// One more `flag=value` after the present ones, for repeatable flags
+    /// (`--self-signed-san`, `--scheduler-names`); [`Overrides::set`] would collapse them.
+    pub fn add(mut self, flag: &str, value: impl Into<String>) -> Self {
+        self.entries
+            .push((normalize(flag), Override::Add(value.into())));
         self
     }
 
@@ -283,6 +298,16 @@ impl Overrides {
     pub fn and(mut self, later: &Overrides) -> Self {
         self.entries.extend(later.entries.iter().cloned());
         self
+    }
+
+    /// Whether the map leaves `flag` given: its last entry sets or switches it, not removes it.
+    pub fn gives(&self, flag: &str) -> bool {
+        let flag = normalize(flag);
+        self.entries
+            .iter()
+            .rev()
+            .find(|(f, _)| *f == flag)
+            .is_some_and(|(_, action)| *action != Override::Remove)
     }
 
     /// The flags this map touches.
@@ -319,6 +344,16 @@ impl Overrides {
                                 *slot = item;
                             }
                         }
+                        None => out.push(item),
+                    }
+                }
+                Override::Add(value) => {
+                    let item = format!("{flag}={value}");
+                    let last = out
+                        .iter()
+                        .rposition(|a| flag_name(a) == Some(flag.as_str()));
+                    match last {
+                        Some(i) => out.insert(i + 1, item),
                         None => out.push(item),
                     }
                 }
@@ -575,6 +610,27 @@ mod tests {
     }
 
     #[test]
+    fn gives_follows_the_last_entry() {
+        for (items, want) in [
+            (vec!["--webhook-address=127.0.0.1:1"], true),
+            (vec!["webhook-address=127.0.0.1:1"], true),
+            (vec!["--webhook-address"], true),
+            (vec!["!--webhook-address"], false),
+            (vec!["--webhook-address=x", "!--webhook-address"], false),
+            (vec!["+--webhook-address=x"], true),
+            (vec!["!--webhook-address", "--webhook-address=x"], true),
+            (vec!["--webhook-address-other=x"], false),
+            (vec![], false),
+        ] {
+            assert_eq!(
+                Overrides::from_args(&items).gives("--webhook-address"),
+                want,
+                "{items:?}"
+            );
+        }
+    }
+
+    #[test]
     fn overrides_replace_add_and_remove() {
         type Case = (&'static str, Vec<String>, Overrides, Vec<&'static str>);
         let base = args(&["node", "--a=1", "--b", "--c=3"]);
@@ -608,6 +664,24 @@ mod tests {
                 base.clone(),
                 Overrides::new().remove("--c").remove("--b"),
                 vec!["node", "--a=1"],
+            ),
+            (
+                "add after the last occurrence",
+                args(&["node", "--s=x", "--a=1", "--s=y", "--c=3"]),
+                Overrides::new().add("--s", "z"),
+                vec!["node", "--s=x", "--a=1", "--s=y", "--s=z", "--c=3"],
+            ),
+            (
+                "add an absent flag at the end",
+                base.clone(),
+                Overrides::new().add("s", "z").add("--s", "w"),
+                vec!["node", "--a=1", "--b", "--c=3", "--s=z", "--s=w"],
+            ),
+            (
+                "set collapses repeats, add repeats again",
+                args(&["node", "--s=x", "--s=y"]),
+                Overrides::from_args(["--s=v", "+--s=w"]),
+                vec!["node", "--s=v", "--s=w"],
             ),
             (
                 "switch replaces a value in place",
