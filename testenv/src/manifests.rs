@@ -254,10 +254,12 @@ impl Overrides {
             let item = item.as_ref();
             if let Some(flag) = item.strip_prefix('!') {
                 overrides = overrides.remove(flag);
-            } else if let Some((flag, value)) =
-                item.strip_prefix('+').and_then(|i| i.split_once('='))
-            {
-                overrides = overrides.add(flag, value);
+            } else if let Some(item) = item.strip_prefix('+') {
+                overrides = match item.split_once('=') {
+                    Some((flag, value)) => overrides.add(flag, value),
+                    // Nothing to repeat without a value: the switch once.
+                    None => overrides.switch(item),
+                };
             } else if let Some((flag, value)) = item.split_once('=') {
                 overrides = overrides.set(flag, value);
             } else {
@@ -618,6 +620,7 @@ mod tests {
             (vec!["!--webhook-address"], false),
             (vec!["--webhook-address=x", "!--webhook-address"], false),
             (vec!["+--webhook-address=x"], true),
+            (vec!["+--webhook-address"], true),
             (vec!["!--webhook-address", "--webhook-address=x"], true),
             (vec!["--webhook-address-other=x"], false),
             (vec![], false),

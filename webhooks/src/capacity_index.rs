@@ -120,7 +120,6 @@ struct Allocation {
 
 #[derive(Clone, Debug)]
 struct CapacityRecord {
-    id: NodeId,
     /// `published.pools` again, inline: /filter reads it for every candidate, and a separate
     /// allocation per node costs a cache miss each.
     pools: SmallVec<[u64; 4]>,
@@ -149,9 +148,9 @@ impl CapacityRecord {
         self.published = published;
     }
 
-    fn view(&self) -> Published<'_> {
+    fn view(&self, id: NodeId) -> Published<'_> {
         Published {
-            id: self.id,
+            id,
             pools: &self.pools,
             managed: self.published.managed,
             alignment: self.published.alignment,
@@ -159,10 +158,10 @@ impl CapacityRecord {
     }
 }
 
-/// Identifies a node while it has published capacity, so that the extender's hot paths
-/// (reservations naming thousands of nodes) key by a number instead of a name. Never reused: a
-/// node that publishes again after all its objects were deleted gets a new one, and whatever
-/// was keyed by the old one no longer applies to it.
+/// Identifies a node by number, so that the extender's hot paths (reservations naming thousands
+/// of nodes) need not hash names. One per node name for the index's lifetime: a node whose
+/// capacity objects are deleted and published again (a class recreated, a provisioner
+/// restarting) keeps it, and so keeps the reservations held on it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct NodeId(u64);
 
@@ -186,9 +185,10 @@ pub struct CapacityIndex {
     allocations: HashMap<VolumeKey, Allocation>,
 }
 
-/// What the index keeps per node; gone when both halves are empty.
-#[derive(Debug, Default)]
+/// What the index keeps per node.
+#[derive(Debug)]
 struct NodeEntry {
+    id: NodeId,
     capacity: Option<CapacityRecord>,
     /// The allocations on the node.
     volumes: HashSet<VolumeKey>,
@@ -507,17 +507,12 @@ impl CapacityIndex {
         let published = published_capacity(&self.driver, object);
         self.bump();
         let seq = self.seq;
-        let next_node_id = &mut self.next_node_id;
-        let entry = self.nodes.get_or_insert_with(&node, NodeEntry::default);
-        let record = entry.capacity.get_or_insert_with(|| {
-            *next_node_id += 1;
-            CapacityRecord {
-                id: NodeId(*next_node_id),
-                pools: SmallVec::from_slice(&published.pools),
-                published: published.clone(),
-                seq,
-                objects: BTreeMap::new(),
-            }
+        let entry = self.entry(&node);
+        let record = entry.capacity.get_or_insert_with(|| CapacityRecord {
+            pools: SmallVec::from_slice(&published.pools),
+            published: published.clone(),
+            seq,
+            objects: BTreeMap::new(),
         });
         record.objects.insert(name, published.clone());
         if record.published != published {
@@ -528,8 +523,7 @@ impl CapacityIndex {
 
     /// Removes a CSIStorageCapacity object.
     pub fn delete_capacity(&mut self, name: &str) {
-        let mut emptied = Vec::new();
-        for (node, entry) in self.nodes.iter_mut() {
+        for (_, entry) in self.nodes.iter_mut() {
             let Some(record) = entry.capacity.as_mut() else {
                 continue;
             };
@@ -539,17 +533,9 @@ impl CapacityIndex {
                         let other = other.clone();
                         record.set_published(other);
                     }
-                    None => {
-                        entry.capacity = None;
-                        if entry.volumes.is_empty() {
-                            emptied.push(node.to_owned());
-                        }
-                    }
+                    None => entry.capacity = None,
                 }
             }
-        }
-        for node in emptied {
-            self.nodes.remove(&node);
         }
         self.bump();
     }
@@ -598,12 +584,33 @@ impl CapacityIndex {
                 unreflected.push(size);
             }
         }
-        (record.map(CapacityRecord::view), allocated)
+        let id = entry.map(|e| e.id);
+        (record.zip(id).map(|(r, id)| r.view(id)), allocated)
     }
 
-    /// The id of a node that published capacity.
+    /// The id of a node the index has seen (capacity or allocations), if any.
     pub fn node_id(&self, node: &str) -> Option<NodeId> {
-        self.nodes.get(node)?.capacity.as_ref().map(|r| r.id)
+        self.nodes.get(node).map(|e| e.id)
+    }
+
+    /// The id of `node`, assigned now when the index has not seen it yet (a pod bound to a
+    /// node that has not published: its reservations must count once it does).
+    pub fn intern_node(&mut self, node: &str) -> NodeId {
+        self.entry(node).id
+    }
+
+    /// The entry of `node`, created with a fresh id when absent. Entries are never removed, so
+    /// ids stay stable; an entry of a node that is gone costs its name and about 200 bytes.
+    fn entry(&mut self, node: &str) -> &mut NodeEntry {
+        let next_node_id = &mut self.next_node_id;
+        self.nodes.get_or_insert_with(node, || {
+            *next_node_id += 1;
+            NodeEntry {
+                id: NodeId(*next_node_id),
+                capacity: None,
+                volumes: HashSet::new(),
+            }
+        })
     }
 
     /// Names of the nodes that published capacity.
@@ -652,15 +659,9 @@ impl CapacityIndex {
             && let Some(entry) = self.nodes.get_mut(&old.node)
         {
             entry.volumes.remove(key);
-            if entry.volumes.is_empty() && entry.capacity.is_none() {
-                self.nodes.remove(&old.node);
-            }
         }
         if let Some((node, size)) = wanted {
-            self.nodes
-                .get_or_insert_with(&node, NodeEntry::default)
-                .volumes
-                .insert(key.clone());
+            self.entry(&node).volumes.insert(key.clone());
             self.allocations.insert(
                 key.clone(),
                 Allocation {
@@ -1026,7 +1027,7 @@ mod tests {
     }
 
     #[test]
-    fn node_ids_last_while_a_node_publishes() {
+    fn node_ids_are_stable_per_name() {
         let mut index = index();
         assert_eq!(index.node_id("n1"), None);
         index.apply_capacity(&capacity("cap-n1-c", "n1", "3Gi", None));
@@ -1042,12 +1043,21 @@ mod tests {
         index.apply_capacity(&capacity("cap-n1-d", "n1", "1Gi", None));
         index.delete_capacity("cap-n1-c");
         assert_eq!(index.node_id("n1"), n1);
-        // Gone and back: a new id, never one used before.
+        // Gone and back (a class recreated): the same id, so reservations on it still count.
         index.delete_capacity("cap-n1-d");
-        assert_eq!(index.node_id("n1"), None);
+        assert!(index.usage_into("n1", &[], &mut Vec::new()).0.is_none());
+        assert_eq!(index.node_id("n1"), n1);
         index.apply_capacity(&capacity("cap-n1-c", "n1", "3Gi", None));
-        let again = index.node_id("n1");
-        assert!(again.is_some() && again != n1 && again != n2);
+        assert_eq!(index.node_id("n1"), n1);
+        // A node first seen through a bound pod gets an id its later capacity keeps.
+        let n3 = index.intern_node("n3");
+        assert!(Some(n3) != n1 && Some(n3) != n2);
+        assert_eq!(index.intern_node("n3"), n3);
+        index.apply_capacity(&capacity("cap-n3-c", "n3", "3Gi", None));
+        assert_eq!(
+            index.usage_into("n3", &[], &mut Vec::new()).0.map(|p| p.id),
+            Some(n3)
+        );
     }
 
     #[test]

@@ -129,10 +129,10 @@ impl ExtenderState {
     pub fn apply_pod(&mut self, pod: &Pod) -> bool {
         let bound = self.index.apply_pod(pod);
         match (bound, pod.metadata.uid.as_deref(), pod_node(pod)) {
-            (true, Some(uid), Some(node)) => !self
-                .book
-                .pod_bound(uid, self.index.node_id(node))
-                .is_empty(),
+            (true, Some(uid), Some(node)) => {
+                let id = self.index.intern_node(node);
+                !self.book.pod_bound(uid, Some(id)).is_empty()
+            }
             _ => false,
         }
     }
