@@ -15,8 +15,11 @@ use hashbrown::HashTable;
 
 use crate::capacity_index::NodeHasher;
 
-/// Where a slot's name is in the arena. Kept apart from the values so that the name checks of
-/// a lookup read a dense array.
+/// Dead arena bytes tolerated before the arena is rewritten (and at most half of it).
+const GARBAGE_SLACK: usize = 64 * 1024;
+
+/// Where a slot's name is in the arena; `len == usize::MAX` marks an empty slot. Kept apart
+/// from the values so that the name checks of a lookup read a dense array.
 #[derive(Clone, Copy)]
 struct Span {
     start: usize,
@@ -24,15 +27,24 @@ struct Span {
     hash: u64,
 }
 
-/// Node name → `T`, append-only: the capacity index never forgets a node, so that node ids
-/// stay stable. Names are arbitrary strings; iteration order is unspecified.
+const EMPTY: Span = Span {
+    start: 0,
+    len: usize::MAX,
+    hash: 0,
+};
+
+/// Node name → `T`. Names are arbitrary strings; iteration order is unspecified.
 pub struct NodeTable<T> {
     hasher: NodeHasher,
     /// Slot numbers, hashed by their names.
     table: HashTable<u32>,
     names: String,
     spans: Vec<Span>,
-    values: Vec<T>,
+    values: Vec<Option<T>>,
+    /// Empty slots, reused before the vector grows.
+    free: Vec<u32>,
+    /// Arena bytes of removed names.
+    garbage: usize,
 }
 
 impl<T> Default for NodeTable<T> {
@@ -43,6 +55,8 @@ impl<T> Default for NodeTable<T> {
             names: String::new(),
             spans: Vec::new(),
             values: Vec::new(),
+            free: Vec::new(),
+            garbage: 0,
         }
     }
 }
@@ -88,13 +102,13 @@ impl<T> NodeTable<T> {
     /// The value of `name`.
     pub fn get(&self, name: &str) -> Option<&T> {
         let slot = self.find(name)?;
-        self.values.get(slot as usize)
+        self.values.get(slot as usize)?.as_ref()
     }
 
     /// The value of `name`, mutable.
     pub fn get_mut(&mut self, name: &str) -> Option<&mut T> {
         let slot = self.find(name)?;
-        self.values.get_mut(slot as usize)
+        self.values.get_mut(slot as usize)?.as_mut()
     }
 
     /// The value of `name`, inserting `make()` first when there is none.
@@ -104,7 +118,7 @@ impl<T> NodeTable<T> {
             None => self.insert_new(name, make()),
         };
         match self.values.get_mut(slot as usize) {
-            Some(value) => value,
+            Some(Some(value)) => value,
             // insert_new just filled this slot.
             _ => unreachable!("slot {slot} of a present name is empty"),
         }
@@ -119,20 +133,77 @@ impl<T> NodeTable<T> {
             len: name.len(),
             hash,
         };
-        self.spans.push(span);
-        self.values.push(value);
-        let slot = u32::try_from(self.spans.len() - 1).unwrap_or(u32::MAX);
+        let slot = match self.free.pop() {
+            Some(slot) => {
+                if let (Some(s), Some(v)) = (
+                    self.spans.get_mut(slot as usize),
+                    self.values.get_mut(slot as usize),
+                ) {
+                    *s = span;
+                    *v = Some(value);
+                }
+                slot
+            }
+            None => {
+                self.spans.push(span);
+                self.values.push(Some(value));
+                u32::try_from(self.spans.len() - 1).unwrap_or(u32::MAX)
+            }
+        };
         let spans = &self.spans;
         self.table
             .insert_unique(hash, slot, |s| spans.get(*s as usize).map_or(0, |s| s.hash));
         slot
     }
 
+    /// Removes `name`, returning its value.
+    pub fn remove(&mut self, name: &str) -> Option<T> {
+        if self.table.is_empty() {
+            return None;
+        }
+        let hash = self.hasher.hash_one(name);
+        let (spans, names) = (&self.spans, &self.names);
+        let entry = self
+            .table
+            .find_entry(hash, |slot| {
+                spans
+                    .get(*slot as usize)
+                    .and_then(|s| names.get(s.start..s.start.checked_add(s.len)?))
+                    == Some(name)
+            })
+            .ok()?;
+        let (slot, _) = entry.remove();
+        let span = std::mem::replace(self.spans.get_mut(slot as usize)?, EMPTY);
+        let removed = self.values.get_mut(slot as usize)?.take();
+        self.free.push(slot);
+        self.garbage += span.len;
+        if self.garbage > GARBAGE_SLACK && self.garbage * 2 > self.names.len() {
+            self.compact();
+        }
+        removed
+    }
+
+    /// Rewrites the arena without the removed names; slot numbers and hashes stay.
+    fn compact(&mut self) {
+        let mut names = String::with_capacity(self.names.len() - self.garbage);
+        for span in self.spans.iter_mut().filter(|s| s.len != usize::MAX) {
+            let start = names.len();
+            names.push_str(
+                self.names
+                    .get(span.start..span.start + span.len)
+                    .unwrap_or_default(),
+            );
+            span.start = start;
+        }
+        self.names = names;
+        self.garbage = 0;
+    }
+
     /// Every name with its value.
     pub fn iter(&self) -> impl Iterator<Item = (&str, &T)> {
         self.values.iter().enumerate().filter_map(|(slot, value)| {
             let name = self.name_of(u32::try_from(slot).ok()?)?;
-            Some((name, value))
+            Some((name, value.as_ref()?))
         })
     }
 
@@ -144,7 +215,7 @@ impl<T> NodeTable<T> {
             .zip(spans)
             .filter_map(move |(value, s)| {
                 let name = names.get(s.start..s.start.checked_add(s.len)?)?;
-                Some((name, value))
+                Some((name, value.as_mut()?))
             })
     }
 }
@@ -156,10 +227,11 @@ mod tests {
     use std::collections::BTreeMap;
 
     #[test]
-    fn insert_get_table() {
+    fn insert_get_remove_table() {
         let mut table = NodeTable::new();
         assert!(table.is_empty());
         assert_eq!(table.get("a"), None);
+        assert_eq!(table.remove("a"), None);
         *table.get_or_insert_with("a", || 1) += 10;
         assert_eq!(
             *table.get_or_insert_with("a", || 99),
@@ -177,29 +249,66 @@ mod tests {
         if let Some(v) = table.get_mut("") {
             *v = 20;
         }
+        assert_eq!(table.remove(""), Some(20));
+        assert_eq!(table.get(""), None);
+        // The slot is reused, the other names are untouched.
         table.get_or_insert_with("c", || 4);
         let all: BTreeMap<&str, i32> = table.iter().map(|(n, v)| (n, *v)).collect();
-        assert_eq!(
-            all,
-            BTreeMap::from([("a", 11), ("", 20), ("c", 4), ("ä-node", 3)])
-        );
+        assert_eq!(all, BTreeMap::from([("a", 11), ("c", 4), ("ä-node", 3)]));
         for (_, v) in table.iter_mut() {
             *v += 1;
         }
         assert_eq!(table.get("c"), Some(&5));
     }
 
+    #[test]
+    fn many_removals_compact_the_arena() {
+        let mut table = NodeTable::new();
+        for i in 0..20_000 {
+            table.get_or_insert_with(&format!("node-{i:08}"), || i);
+        }
+        let full = table.names.len();
+        for i in (0..20_000).filter(|i| i % 4 != 0) {
+            assert_eq!(table.remove(&format!("node-{i:08}")), Some(i));
+        }
+        assert!(table.names.len() < full / 2, "arena rewritten");
+        assert_eq!(table.len(), 5_000);
+        for i in 0..20_000 {
+            let want = (i % 4 == 0).then_some(i);
+            assert_eq!(table.get(&format!("node-{i:08}")).copied(), want, "{i}");
+        }
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Insert(u8, u16),
+        Remove(u8),
+    }
+
     proptest! {
-        /// The table behaves like a map, whatever the order of inserts and updates.
+        /// The table behaves like a map, whatever the order of inserts and removals.
         #[test]
-        fn agrees_with_a_map(ops in prop::collection::vec((0..40u8, any::<u16>()), 0..300)) {
+        fn agrees_with_a_map(ops in prop::collection::vec(
+            prop_oneof![
+                (0..40u8, any::<u16>()).prop_map(|(n, v)| Op::Insert(n, v)),
+                (0..40u8).prop_map(Op::Remove),
+            ],
+            0..300,
+        )) {
             let mut table = NodeTable::new();
             let mut map = BTreeMap::new();
             for op in ops {
-                let (n, v) = op;
-                let name = format!("n{n}");
-                *table.get_or_insert_with(&name, || v) = v;
-                map.insert(name, v);
+                match op {
+                    Op::Insert(n, v) => {
+                        let name = format!("n{n}");
+                        *table.get_or_insert_with(&name, || v) = v;
+                        map.insert(name, v);
+                    }
+                    Op::Remove(n) => {
+                        let name = format!("n{n}");
+                        prop_assert_eq!(table.remove(&name), map.remove(&name));
+                    }
+                }
                 prop_assert_eq!(table.len(), map.len());
             }
             for n in 0..40u8 {
