@@ -178,7 +178,7 @@ async fn webhook() {
                         format!("https://127.0.0.1:{}/pod/mutate", b.webhook),
                     ),
                 ],
-                "Fail",
+                Some("Fail"),
             )
             .expect("the manifests' webhook"),
         )

@@ -1,1 +1,590 @@
-//! End-to-end scenarios against testenv or any cluster. Empty until the end-to-end issue lands.
+//! End-to-end scenarios of distributed provisioning, run against testenv by default and against
+//! any cluster with the driver installed when `KUBECONFIG` is set (so kind runs the same tests).
+//!
+//! A [`Scenario`] owns a namespace; [`Scenario::finish`] deletes it, waits until its pods,
+//! claims and volumes are gone and runs the leak check: on testenv, no volume, mount or loop
+//! device of ours is left on any node; on any cluster, the published capacity is back to what it
+//! was before the scenario.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use driver::csi::controller_client::ControllerClient;
+use k8s_openapi::api::core::v1::{
+    Container, EphemeralVolumeSource, Event, Namespace, PersistentVolume, PersistentVolumeClaim,
+    PersistentVolumeClaimTemplate, PersistentVolumeClaimVolumeSource, Pod, PodSpec,
+    VolumeResourceRequirements,
+};
+use k8s_openapi::api::storage::v1::CSIStorageCapacity;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::Api;
+use kube::api::{DeleteParams, ListParams, ObjectMeta, PostParams};
+use testenv::wait::until;
+use testenv::{NodeSpec, TestEnv, TestEnvBuilder};
+
+/// The driver name the scenarios expect (the manifests').
+pub const DRIVER: &str = testenv::DEFAULT_DRIVER_NAME;
+/// The manifests' late-binding ext4 class.
+pub const CLASS: &str = "pmem-csi-sc-ext4";
+/// The manifests' late-binding class without erasing on delete.
+pub const CLASS_NO_ERASE: &str = "pmem-csi-sc-ext4-no-erase";
+/// How long scenarios wait for the cluster to converge.
+pub const WAIT: Duration = Duration::from_secs(120);
+/// Mebibytes.
+pub const MI: i64 = 1 << 20;
+
+/// PMEM budget of the testenv nodes: different per node, so placement by capacity shows.
+pub const BUDGETS: [(&str, i64); 3] = [("node-1", 512), ("node-2", 768), ("node-3", 1024)];
+/// The testenv node without the driver (neither labels nor CSINode entry).
+pub const DRIVERLESS: &str = "node-4";
+
+/// What failed in a scenario's plumbing (assertions panic instead).
+#[derive(Debug, thiserror::Error)]
+pub enum E2eError {
+    /// An API call.
+    #[error("{what}: {source}")]
+    Api {
+        /// The call.
+        what: String,
+        /// Why.
+        source: kube::Error,
+    },
+    /// A condition did not hold in time.
+    #[error(transparent)]
+    Timeout(#[from] testenv::wait::Timeout),
+    /// testenv did not start or the cluster is unreachable.
+    #[error("cluster: {0}")]
+    Cluster(String),
+}
+
+fn api(what: impl Into<String>) -> impl FnOnce(kube::Error) -> E2eError {
+    let what = what.into();
+    move |source| E2eError::Api { what, source }
+}
+
+/// The testenv the scenarios run on: the budgets above plus a driverless node, every piece of
+/// the scheduler-extender component (webhook, extender), the controller with short graces, and
+/// the simulated kubelet.
+pub fn testenv_builder() -> TestEnvBuilder {
+    let mut builder = TestEnv::builder();
+    for (node, mib) in BUDGETS {
+        builder = builder.node(NodeSpec::with_driver(node).budget(format!("{mib}Mi")));
+    }
+    builder
+        .node(NodeSpec::driverless(DRIVERLESS))
+        .drivers(testenv::node_processes::DriverOptions::default())
+        .extender(["--reschedule-grace=2s"])
+        .controller(["--reschedule-grace=2s"])
+        .kubelet()
+}
+
+/// The cluster under test.
+#[derive(Clone)]
+pub struct Cluster {
+    /// Admin client.
+    pub client: kube::Client,
+    /// testenv, when the scenarios run on it (not on an external cluster).
+    pub env: Option<&'static TestEnv>,
+}
+
+impl Cluster {
+    /// The cluster of `KUBECONFIG` when it is set, otherwise the shared testenv of this test
+    /// binary built by `configure`.
+    pub async fn connect(configure: fn() -> TestEnvBuilder) -> Result<Self, E2eError> {
+        if std::env::var_os("KUBECONFIG").is_some() {
+            let client = kube::Client::try_default()
+                .await
+                .map_err(|e| E2eError::Cluster(e.to_string()))?;
+            return Ok(Self { client, env: None });
+        }
+        let env = TestEnv::shared(configure);
+        let client = env
+            .client()
+            .await
+            .map_err(|e| E2eError::Cluster(e.to_string()))?;
+        Ok(Self {
+            client,
+            env: Some(env),
+        })
+    }
+
+    /// Free bytes per node for [`CLASS`], from the CSIStorageCapacity objects of our driver.
+    pub async fn capacity(&self) -> Result<BTreeMap<String, i64>, E2eError> {
+        let list = Api::<CSIStorageCapacity>::all(self.client.clone())
+            .list(&ListParams::default().labels(&format!("csi.storage.k8s.io/drivername={DRIVER}")))
+            .await
+            .map_err(api("listing CSIStorageCapacity"))?;
+        Ok(list
+            .items
+            .into_iter()
+            .filter(|c| c.storage_class_name == CLASS)
+            .filter_map(|c| {
+                let node = c
+                    .node_topology
+                    .and_then(|t| t.match_labels)
+                    .and_then(|l| l.get(&format!("{DRIVER}/node")).cloned())?;
+                let bytes = c
+                    .capacity
+                    .and_then(|q| controllers::quantity::parse_bytes(&q.0).ok())?;
+                Some((node, i64::try_from(bytes).unwrap_or(i64::MAX)))
+            })
+            .collect())
+    }
+
+    /// Starts a scenario in a fresh namespace `<name>-<random>`, after recording the capacity
+    /// it must give back (waiting until every node of testenv publishes).
+    pub async fn scenario(&self, name: &str) -> Result<Scenario, E2eError> {
+        let expected = self.env.map_or(0, |env| {
+            env.nodes()
+                .iter()
+                .filter(|n| n.driver && env.driver_socket(&n.name).is_some())
+                .count()
+        });
+        let full = until("every node to publish capacity", WAIT, || async {
+            let capacity = self.capacity().await.map_err(|e| e.to_string())?;
+            if capacity.len() >= expected.max(1) {
+                Ok(capacity)
+            } else {
+                Err(format!("{capacity:?}"))
+            }
+        })
+        .await?;
+        let namespace = testenv::test_namespace(&self.client, name)
+            .await
+            .map_err(api("creating the namespace"))?;
+        Ok(Scenario {
+            cluster: self.clone(),
+            claims: Api::namespaced(self.client.clone(), &namespace),
+            pods: Api::namespaced(self.client.clone(), &namespace),
+            namespace,
+            full,
+        })
+    }
+}
+
+/// One scenario's namespace and what it must leave as it found it.
+pub struct Scenario {
+    /// The cluster.
+    pub cluster: Cluster,
+    /// The namespace.
+    pub namespace: String,
+    /// Claims of the namespace.
+    pub claims: Api<PersistentVolumeClaim>,
+    /// Pods of the namespace.
+    pub pods: Api<Pod>,
+    /// Capacity per node before the scenario.
+    pub full: BTreeMap<String, i64>,
+}
+
+impl Scenario {
+    /// Creates claim `name` of `class` and `size` (`Block` mode when `block`).
+    pub async fn claim(
+        &self,
+        name: &str,
+        class: &str,
+        size: &str,
+        block: bool,
+    ) -> Result<PersistentVolumeClaim, E2eError> {
+        let mut claim = testenv::objects::claim(&self.namespace, name, class, size);
+        if block && let Some(spec) = claim.spec.as_mut() {
+            spec.volume_mode = Some("Block".into());
+        }
+        self.claims
+            .create(&PostParams::default(), &claim)
+            .await
+            .map_err(api(format!("creating claim {name}")))
+    }
+
+    /// Creates `pod`.
+    pub async fn pod(&self, pod: &Pod) -> Result<Pod, E2eError> {
+        self.pods
+            .create(&PostParams::default(), pod)
+            .await
+            .map_err(api(format!(
+                "creating pod {}",
+                pod.metadata.name.as_deref().unwrap_or_default()
+            )))
+    }
+
+    /// Creates pod `name` mounting claim `claim` as volume `data`.
+    pub async fn pod_using(&self, name: &str, claim: &str) -> Result<Pod, E2eError> {
+        self.pod(&pod(
+            &self.namespace,
+            name,
+            vec![claim_volume("data", claim)],
+            &[],
+        ))
+        .await
+    }
+
+    /// Creates claim `name` of `class` and `size` and pod `name` using it.
+    pub async fn claim_and_pod(
+        &self,
+        name: &str,
+        class: &str,
+        size: &str,
+    ) -> Result<Pod, E2eError> {
+        self.claim(name, class, size, false).await?;
+        self.pod_using(name, name).await
+    }
+
+    /// Waits until pod `name` runs and checks that the PV of its claim `claim` is pinned to
+    /// the pod's node; returns the pod and the PV.
+    pub async fn running_with_volume(
+        &self,
+        name: &str,
+        claim: &str,
+    ) -> Result<(Pod, PersistentVolume), E2eError> {
+        let running = self.running(name).await?;
+        let pv = self.volume_of(claim).await?;
+        if pinned_node(&pv) != Some(node_of(&running)) {
+            return Err(E2eError::Cluster(format!(
+                "the PV of {claim} is pinned to {:?}, pod {name} runs on {}",
+                pinned_node(&pv),
+                node_of(&running)
+            )));
+        }
+        Ok((running, pv))
+    }
+
+    /// Waits until pod `name` is Running; returns it.
+    pub async fn running(&self, name: &str) -> Result<Pod, E2eError> {
+        Ok(until(&format!("pod {name} to run"), WAIT, || async {
+            let pod = self.pods.get(name).await.map_err(|e| e.to_string())?;
+            let phase = pod.status.as_ref().and_then(|s| s.phase.clone());
+            if phase.as_deref() == Some("Running") {
+                Ok(pod)
+            } else {
+                Err(format!(
+                    "phase {phase:?}, node {:?}",
+                    pod.spec.as_ref().and_then(|s| s.node_name.clone())
+                ))
+            }
+        })
+        .await?)
+    }
+
+    /// The PV bound to claim `name`.
+    pub async fn volume_of(&self, name: &str) -> Result<PersistentVolume, E2eError> {
+        let claim = self
+            .claims
+            .get(name)
+            .await
+            .map_err(api(format!("reading claim {name}")))?;
+        let pv = claim
+            .spec
+            .and_then(|s| s.volume_name)
+            .filter(|v| !v.is_empty())
+            .ok_or_else(|| E2eError::Cluster(format!("claim {name} is not bound")))?;
+        Api::<PersistentVolume>::all(self.cluster.client.clone())
+            .get(&pv)
+            .await
+            .map_err(api(format!("reading PV {pv}")))
+    }
+
+    /// Messages of the namespace's Events with `reason`.
+    pub async fn events(&self, reason: &str) -> Result<Vec<String>, E2eError> {
+        let list = Api::<Event>::namespaced(self.cluster.client.clone(), &self.namespace)
+            .list(&ListParams::default().fields(&format!("reason={reason}")))
+            .await
+            .map_err(api("listing Events"))?;
+        Ok(list
+            .items
+            .into_iter()
+            .map(|e| {
+                format!(
+                    "{}: {}",
+                    e.involved_object.name.unwrap_or_default(),
+                    e.message.unwrap_or_default()
+                )
+            })
+            .collect())
+    }
+
+    /// PVs whose claim is in this namespace.
+    pub async fn volumes(&self) -> Result<Vec<PersistentVolume>, E2eError> {
+        let list = Api::<PersistentVolume>::all(self.cluster.client.clone())
+            .list(&ListParams::default())
+            .await
+            .map_err(api("listing PVs"))?;
+        Ok(list
+            .items
+            .into_iter()
+            .filter(|pv| {
+                pv.spec
+                    .as_ref()
+                    .and_then(|s| s.claim_ref.as_ref())
+                    .and_then(|r| r.namespace.as_deref())
+                    == Some(self.namespace.as_str())
+            })
+            .collect())
+    }
+
+    /// Waits until no PV of the namespace's claims is left.
+    pub async fn volumes_gone(&self) -> Result<(), E2eError> {
+        until("the namespace's PVs to be gone", WAIT, || async {
+            let left = self.volumes().await.map_err(|e| e.to_string())?;
+            if left.is_empty() {
+                Ok(())
+            } else {
+                Err(format!("{} left", left.len()))
+            }
+        })
+        .await?;
+        Ok(())
+    }
+
+    /// Deletes the namespace, waits until it and its PVs are gone, then checks for leaks.
+    pub async fn finish(self) -> Result<(), E2eError> {
+        self.finish_keeping(&[]).await
+    }
+
+    /// [`Scenario::finish`], except that the volumes `kept` (ids, on testenv) may remain.
+    pub async fn finish_keeping(self, kept: &[String]) -> Result<(), E2eError> {
+        let namespaces = Api::<Namespace>::all(self.cluster.client.clone());
+        namespaces
+            .delete(&self.namespace, &DeleteParams::default())
+            .await
+            .map_err(api("deleting the namespace"))?;
+        until("the namespace to be gone", WAIT, || async {
+            match namespaces.get_opt(&self.namespace).await {
+                Ok(None) => Ok(()),
+                Ok(Some(ns)) => Err(format!("{:?}", ns.status.and_then(|s| s.conditions))),
+                Err(e) => Err(e.to_string()),
+            }
+        })
+        .await?;
+        self.volumes_gone().await?;
+        if let Some(env) = self.cluster.env {
+            leak_check(env, kept).await?;
+        }
+        let full = &self.full;
+        until("capacity to be back to full", WAIT, || async {
+            let now = self.cluster.capacity().await.map_err(|e| e.to_string())?;
+            let short: Vec<String> = full
+                .iter()
+                .filter(|(node, bytes)| now.get(*node).is_some_and(|n| n < *bytes))
+                .map(|(node, bytes)| format!("{node}: {:?} of {bytes}", now.get(node)))
+                .collect();
+            if short.is_empty() {
+                Ok(())
+            } else {
+                Err(short.join(", "))
+            }
+        })
+        .await?;
+        Ok(())
+    }
+}
+
+/// The volumes the driver of `node` lists.
+pub async fn node_volumes(env: &TestEnv, node: &str) -> Result<Vec<String>, String> {
+    let socket = env
+        .driver_socket(node)
+        .ok_or_else(|| format!("no driver on {node}"))?;
+    let channel = driver::client::connect(&socket)
+        .await
+        .map_err(|e| format!("connecting to {node}: {e}"))?;
+    let mut csi = ControllerClient::new(channel);
+    driver::client::volume_ids(&mut csi)
+        .await
+        .map_err(|e| format!("ListVolumes on {node}: {e}"))
+}
+
+/// No volume (beyond `kept`), mount or loop device of ours on any testenv node.
+pub async fn leak_check(env: &TestEnv, kept: &[String]) -> Result<(), E2eError> {
+    let nodes: Vec<String> = env
+        .nodes()
+        .iter()
+        .filter(|n| env.driver_socket(&n.name).is_some())
+        .map(|n| n.name.clone())
+        .collect();
+    until("no volume, mount or loop device left", WAIT, || async {
+        let mut found = Vec::new();
+        for node in &nodes {
+            for id in node_volumes(env, node).await? {
+                if !kept.contains(&id) {
+                    found.push(format!("volume {id} on {node}"));
+                }
+            }
+        }
+        found.extend(
+            testenv::leftovers::mounts_under(env.dir())
+                .into_iter()
+                .map(|m| format!("mount {m}")),
+        );
+        found.extend(
+            testenv::leftovers::loop_devices_under(env.dir())
+                .into_iter()
+                .map(|(d, b)| format!("loop device {d} ({b})")),
+        );
+        if found.is_empty() {
+            Ok(())
+        } else {
+            Err(found.join("; "))
+        }
+    })
+    .await?;
+    Ok(())
+}
+
+/// A pod with one container (busybox sleeping, for real clusters) and `volumes`, mounted at
+/// `/data<i>` (`volumeDevices` for the names in `block`).
+pub fn pod(
+    namespace: &str,
+    name: &str,
+    volumes: Vec<k8s_openapi::api::core::v1::Volume>,
+    block: &[&str],
+) -> Pod {
+    use k8s_openapi::api::core::v1::{VolumeDevice, VolumeMount};
+    let mounts: Vec<VolumeMount> = volumes
+        .iter()
+        .enumerate()
+        .filter(|(_, v)| !block.contains(&v.name.as_str()))
+        .map(|(i, v)| VolumeMount {
+            name: v.name.clone(),
+            mount_path: format!("/data{i}"),
+            ..Default::default()
+        })
+        .collect();
+    let devices: Vec<VolumeDevice> = volumes
+        .iter()
+        .enumerate()
+        .filter(|(_, v)| block.contains(&v.name.as_str()))
+        .map(|(i, v)| VolumeDevice {
+            name: v.name.clone(),
+            device_path: format!("/dev/block{i}"),
+        })
+        .collect();
+    Pod {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(namespace.into()),
+            ..Default::default()
+        },
+        spec: Some(PodSpec {
+            containers: vec![Container {
+                name: "app".into(),
+                image: Some("docker.io/library/busybox:1.37".into()),
+                command: Some(vec!["sleep".into(), "1000000".into()]),
+                volume_mounts: (!mounts.is_empty()).then_some(mounts),
+                volume_devices: (!devices.is_empty()).then_some(devices),
+                ..Default::default()
+            }],
+            termination_grace_period_seconds: Some(1),
+            volumes: (!volumes.is_empty()).then_some(volumes),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// A pod volume using claim `claim`.
+pub fn claim_volume(name: &str, claim: &str) -> k8s_openapi::api::core::v1::Volume {
+    k8s_openapi::api::core::v1::Volume {
+        name: name.into(),
+        persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+            claim_name: claim.into(),
+            read_only: None,
+        }),
+        ..Default::default()
+    }
+}
+
+/// A CSI inline volume of our driver of `size`.
+pub fn inline_volume(name: &str, size: &str) -> k8s_openapi::api::core::v1::Volume {
+    k8s_openapi::api::core::v1::Volume {
+        name: name.into(),
+        csi: Some(k8s_openapi::api::core::v1::CSIVolumeSource {
+            driver: DRIVER.into(),
+            fs_type: Some("ext4".into()),
+            volume_attributes: Some(BTreeMap::from([("size".to_string(), size.to_string())])),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// A generic ephemeral volume of `class` and `size`.
+pub fn generic_ephemeral_volume(
+    name: &str,
+    class: &str,
+    size: &str,
+) -> k8s_openapi::api::core::v1::Volume {
+    k8s_openapi::api::core::v1::Volume {
+        name: name.into(),
+        ephemeral: Some(EphemeralVolumeSource {
+            volume_claim_template: Some(PersistentVolumeClaimTemplate {
+                metadata: None,
+                spec: k8s_openapi::api::core::v1::PersistentVolumeClaimSpec {
+                    access_modes: Some(vec!["ReadWriteOnce".into()]),
+                    storage_class_name: Some(class.into()),
+                    resources: Some(VolumeResourceRequirements {
+                        requests: Some(BTreeMap::from([(
+                            "storage".to_string(),
+                            Quantity(size.into()),
+                        )])),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                },
+            }),
+        }),
+        ..Default::default()
+    }
+}
+
+/// The node a pod runs on.
+pub fn node_of(pod: &Pod) -> String {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.node_name.clone())
+        .unwrap_or_default()
+}
+
+/// The node a PV is pinned to by its node affinity (`<driver>/node`).
+pub fn pinned_node(pv: &PersistentVolume) -> Option<String> {
+    pv.spec
+        .as_ref()?
+        .node_affinity
+        .as_ref()?
+        .required
+        .as_ref()?
+        .node_selector_terms
+        .iter()
+        .flat_map(|t| t.match_expressions.iter().flatten())
+        .find(|e| e.key == format!("{DRIVER}/node"))
+        .and_then(|e| e.values.as_ref()?.first().cloned())
+}
+
+/// The CSI volume id of a PV.
+pub fn volume_handle(pv: &PersistentVolume) -> String {
+    pv.spec
+        .as_ref()
+        .and_then(|s| s.csi.as_ref())
+        .map(|c| c.volume_handle.clone())
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pod_builder_mounts_and_maps_devices() {
+        let p = pod(
+            "ns",
+            "app",
+            vec![claim_volume("data", "c"), claim_volume("dev", "d")],
+            &["dev"],
+        );
+        let c = &p.spec.as_ref().expect("spec").containers[0];
+        let mounts = c.volume_mounts.clone().unwrap_or_default();
+        let devices = c.volume_devices.clone().unwrap_or_default();
+        assert_eq!(mounts.len(), 1);
+        assert_eq!(mounts[0].name, "data");
+        assert_eq!(devices.len(), 1);
+        assert_eq!(devices[0].name, "dev");
+        assert_eq!(devices[0].device_path, "/dev/block1");
+    }
+}

@@ -7,6 +7,7 @@ pub mod audit;
 pub mod control_plane;
 pub mod http_client;
 pub mod kubeconfig;
+pub mod kubelet;
 pub mod leftovers;
 pub mod manifests;
 pub mod mutations;
@@ -93,6 +94,9 @@ pub struct TestEnvBuilder {
     extender: Option<Vec<String>>,
     token_renewal: std::time::Duration,
     idle_control_plane: bool,
+    controller: Option<Vec<String>>,
+    kubelet: bool,
+    extender_env: Vec<(String, String)>,
 }
 
 impl Default for TestEnvBuilder {
@@ -105,11 +109,41 @@ impl Default for TestEnvBuilder {
             extender: None,
             token_renewal: service_accounts::TOKEN_LIFETIME / 3,
             idle_control_plane: false,
+            controller: None,
+            kubelet: false,
+            extender_env: Vec::new(),
         }
     }
 }
 
 impl TestEnvBuilder {
+    /// Runs `pmem-csi controller` as the scheduler-extender component configures it (webhook
+    /// included, its MutatingWebhookConfiguration pointing at it), changed by `args` (test items
+    /// as [`manifests::Overrides::from_args`] reads them); start waits until the webhook serves
+    /// with its CA injected, so that no pod created afterwards bypasses it. With
+    /// `!--webhook-address` among `args` it runs as the base installs it, without the webhook.
+    pub fn controller<I, S>(mut self, args: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.controller = Some(args.into_iter().map(Into::into).collect());
+        self
+    }
+
+    /// Sets environment variable `key` of the extender (for example `RUST_LOG`).
+    pub fn extender_env(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.extender_env.push((key.into(), value.into()));
+        self
+    }
+
+    /// Runs the simulated kubelet ([`kubelet::Kubelet`]) for the nodes whose driver testenv
+    /// runs (needs [`TestEnvBuilder::drivers`]).
+    pub fn kubelet(mut self) -> Self {
+        self.kubelet = true;
+        self
+    }
+
     /// Adds `n` nodes that run the driver, named `node-1` … `node-n` after those already added.
     pub fn nodes(mut self, n: usize) -> Self {
         let start = self.nodes.len();
@@ -191,6 +225,8 @@ pub struct TestEnv {
     node_processes: std::sync::Mutex<Vec<node_processes::NodeProcesses>>,
     proxies: Vec<(String, proxy::TcpProxy)>,
     extender: Option<ExtenderProcess>,
+    controller: Option<ControllerProcess>,
+    kubelet: Option<kubelet::Kubelet>,
     /// `overlays/emulated` rendered.
     manifests_base: std::sync::Arc<manifests::Rendered>,
     /// `overlays/emulated` with the scheduler-extender component rendered.
@@ -266,6 +302,8 @@ impl TestEnv {
             node_processes: Default::default(),
             proxies: Vec::new(),
             extender: None,
+            controller: None,
+            kubelet: None,
             manifests_base,
             manifests,
             accounts: Default::default(),
@@ -309,12 +347,15 @@ impl TestEnv {
                 .set("--admin-address", admin.to_string())
                 .and(&env.driver_name_override())
                 .and(&manifests::Overrides::from_args(&args));
-            let spec = env.our_process(
+            let mut spec = env.our_process(
                 manifests::OurContainer::Extender,
                 "extender",
                 "extender.log",
                 &overrides,
             )?;
+            for (key, value) in &builder.extender_env {
+                spec = spec.env(key, value);
+            }
             let process = env.supervise(spec);
             env.extender = Some(ExtenderProcess {
                 process,
@@ -357,7 +398,133 @@ impl TestEnv {
                     .push(processes);
             }
         }
+        if let Some(args) = builder.controller.take() {
+            env.controller = Some(env.start_controller(&client, &args).await?);
+        }
+        if builder.kubelet {
+            let nodes = env
+                .node_processes
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .iter()
+                .map(|p| kubelet::KubeletNode {
+                    name: p.node.clone(),
+                    socket: p.dirs.socket.clone(),
+                    dirs: env.kubelet_dirs(&p.node),
+                })
+                .collect();
+            let _guard = env.runtime.enter();
+            env.kubelet = Some(kubelet::Kubelet::spawn(
+                client.clone(),
+                &env.driver_name,
+                nodes,
+                env.shutdown.child_token(),
+            ));
+        }
         Ok(env)
+    }
+
+    /// The controller with its webhook on 127.0.0.1, the manifests' webhook configuration
+    /// pointing at it; returns once the leader has injected its CA and the webhook answers.
+    async fn start_controller(
+        &self,
+        client: &kube::Client,
+        args: &[String],
+    ) -> Result<ControllerProcess, TestEnvError> {
+        use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+        let (webhook, admin) = (ports::free_port()?, ports::free_port()?);
+        let with_webhook = !args.iter().any(|a| a == "!--webhook-address");
+        let mut all = vec![format!("--admin-address=127.0.0.1:{admin}")];
+        if with_webhook {
+            all.push(format!("--webhook-address=127.0.0.1:{webhook}"));
+            all.push("--self-signed-san=127.0.0.1".to_string());
+        }
+        all.extend(args.iter().cloned());
+        let spec = self.our_process(
+            manifests::OurContainer::Controller,
+            "controller",
+            "controller.log",
+            &manifests::Overrides::from_args(&all),
+        )?;
+        let process = self.supervise(spec);
+        if !with_webhook {
+            return Ok(ControllerProcess {
+                process,
+                webhook,
+                admin,
+            });
+        }
+        let configuration = objects::pod_webhook_configuration(
+            &self.manifests,
+            &[(
+                "pod-hook.pmem-csi.intel.com",
+                format!("https://127.0.0.1:{webhook}/pod/mutate"),
+            )],
+            None,
+        )
+        .map_err(|reason| {
+            TestEnvError::Manifests(manifests::ManifestError::Unsupported {
+                container: "controller".into(),
+                reason,
+            })
+        })?;
+        let hooks = kube::Api::<MutatingWebhookConfiguration>::all(client.clone());
+        objects::apply(&hooks, &configuration).await?;
+        let name = configuration.metadata.name.clone().unwrap_or_default();
+        wait::until(
+            "the controller's webhook to serve with its CA injected",
+            std::time::Duration::from_secs(60),
+            || async {
+                let config = hooks.get(&name).await.map_err(|e| e.to_string())?;
+                let injected = config.webhooks.unwrap_or_default().iter().all(|w| {
+                    w.client_config
+                        .ca_bundle
+                        .as_ref()
+                        .is_some_and(|b| !b.0.is_empty())
+                });
+                if !injected {
+                    return Err("no caBundle yet".into());
+                }
+                tokio::net::TcpStream::connect(("127.0.0.1", webhook))
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| format!("webhook port: {e}"))
+            },
+        )
+        .await
+        .map_err(|e| {
+            TestEnvError::Process(process::ProcessError::Log {
+                path: self.dir().join("logs/controller.log"),
+                source: std::io::Error::other(e.to_string()),
+            })
+        })?;
+        Ok(ControllerProcess {
+            process,
+            webhook,
+            admin,
+        })
+    }
+
+    /// The kubelet directories of simulated node `node`.
+    pub fn kubelet_dirs(&self, node: &str) -> kubelet::KubeletDirs {
+        kubelet::KubeletDirs {
+            root: self.dir().join("nodes").join(node).join("kubelet"),
+        }
+    }
+
+    /// The simulated kubelet, when testenv runs it.
+    pub fn kubelet(&self) -> Option<&kubelet::Kubelet> {
+        self.kubelet.as_ref()
+    }
+
+    /// The controller's webhook and admin ports, when testenv runs it.
+    pub fn controller_ports(&self) -> Option<(u16, u16)> {
+        self.controller.as_ref().map(|c| (c.webhook, c.admin))
+    }
+
+    /// Takes the controller process out of the testenv's hands (to stop or kill it).
+    pub fn take_controller(&mut self) -> Option<Supervised> {
+        self.controller.take().map(|c| c.process)
     }
 
     /// A shared testenv for all tests of one test binary, started on first use with
@@ -656,6 +823,45 @@ impl TestEnv {
         Some(all.remove(i))
     }
 
+    /// Sends `signal` to the driver of `node` (its supervisor restarts it, as kubelet would).
+    pub fn signal_node_driver(
+        &self,
+        node: &str,
+        signal: rustix::process::Signal,
+    ) -> Result<(), process::ProcessError> {
+        let all = self
+            .node_processes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match all.iter().find(|p| p.node == node) {
+            Some(p) => p.driver.signal(signal),
+            None => Err(process::ProcessError::Signal {
+                what: format!("driver of {node}"),
+                source: rustix::io::Errno::SRCH,
+            }),
+        }
+    }
+
+    /// The restart counts of `node`'s driver and provisioner, if testenv runs them.
+    pub fn node_restarts(&self, node: &str) -> Option<(u32, u32)> {
+        self.node_processes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .find(|p| p.node == node)
+            .map(|p| (p.driver.state().restarts, p.provisioner.state().restarts))
+    }
+
+    /// The admin (metrics) port of `node`'s driver, if testenv runs it.
+    pub fn driver_admin_port(&self, node: &str) -> Option<u16> {
+        self.node_processes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .find(|p| p.node == node)
+            .map(|p| p.admin)
+    }
+
     /// The driver socket of `node`, if testenv runs its driver.
     pub fn driver_socket(&self, node: &str) -> Option<PathBuf> {
         self.node_processes
@@ -669,6 +875,12 @@ impl TestEnv {
     /// Stops every process gracefully, kills what remains of the group and removes the work
     /// directory. Returns what to check for leftovers.
     pub async fn stop(mut self) -> Leftovers {
+        if let Some(kubelet) = self.kubelet.take() {
+            // Unmounted while the drivers still serve, so no mount or loop device outlives them.
+            kubelet
+                .unmount_all(std::time::Duration::from_secs(30))
+                .await;
+        }
         let processes: Vec<_> = std::mem::take(
             &mut *self
                 .node_processes
@@ -682,6 +894,9 @@ impl TestEnv {
         }
         if let Some(extender) = self.extender.take() {
             extender.process.stop().await;
+        }
+        if let Some(controller) = self.controller.take() {
+            controller.process.stop().await;
         }
         self.shutdown.cancel();
         if let Some(control_plane) = self.control_plane.take() {
@@ -714,6 +929,14 @@ impl Drop for TestEnv {
             }
         }
     }
+}
+
+/// The controller testenv runs, with its webhook.
+#[derive(Debug)]
+struct ControllerProcess {
+    process: Supervised,
+    webhook: u16,
+    admin: u16,
 }
 
 /// The extender testenv runs beside kube-scheduler.

@@ -312,6 +312,15 @@ impl Overrides {
             .is_some_and(|(_, action)| *action != Override::Remove)
     }
 
+    /// The value the map last sets `flag` to, if its last entry for `flag` sets one.
+    pub fn value_of(&self, flag: &str) -> Option<&str> {
+        let flag = normalize(flag);
+        match self.entries.iter().rev().find(|(f, _)| *f == flag) {
+            Some((_, Override::Set(value))) => Some(value),
+            _ => None,
+        }
+    }
+
     /// The flags this map touches.
     pub fn flags(&self) -> impl Iterator<Item = &str> {
         self.entries.iter().map(|(f, _)| f.as_str())

@@ -54,6 +54,8 @@ pub struct NodeProcesses {
     pub node: String,
     /// Where the driver keeps its files.
     pub dirs: NodeDriverDirs,
+    /// The driver's admin port on 127.0.0.1 (`/metrics`).
+    pub admin: u16,
     /// `pmem-csi node`.
     pub driver: Supervised,
     /// `csi-provisioner --node-deployment`.
@@ -229,13 +231,29 @@ impl NodeLauncher {
             node: node.name.clone(),
             source,
         };
+        let mut options = self.options.clone();
+        if let Some(size) = &node.size {
+            options.size = size.clone();
+        }
+        // A known admin port, for metrics; a test's own --admin-address still wins.
+        let admin = crate::ports::free_port().map_err(|e| NodeProcessesError::Driver {
+            node: node.name.clone(),
+            source: Timeout {
+                what: "a free admin port".into(),
+                timeout: Duration::ZERO,
+                last: e.to_string(),
+            },
+        })?;
+        options
+            .extra_args
+            .insert(0, format!("--admin-address=127.0.0.1:{admin}"));
         let spec = driver_process(
             &self.manifests,
             &self.tools,
             &self.driver_name,
             &node.name,
             &dirs,
-            &self.options,
+            &options,
             kubeconfig,
         )
         .map_err(manifest_error)?;
@@ -266,8 +284,13 @@ impl NodeLauncher {
             )
             .map_err(manifest_error)?,
         );
+        let admin = Overrides::from_args(&options.extra_args)
+            .value_of("--admin-address")
+            .and_then(|a| a.rsplit(':').next().and_then(|p| p.parse().ok()))
+            .unwrap_or(admin);
         Ok(NodeProcesses {
             node: node.name.clone(),
+            admin,
             dirs,
             driver,
             provisioner,

@@ -40,6 +40,8 @@ pub struct NodeSpec {
     pub driver: bool,
     /// Whether its CSINode lists the driver (as node-driver-registrar would once it runs).
     pub csinode_driver: bool,
+    /// `--emulated-size` of its driver, instead of the [`crate::node_processes::DriverOptions`]'.
+    pub size: Option<String>,
 }
 
 impl NodeSpec {
@@ -49,6 +51,7 @@ impl NodeSpec {
             name: name.into(),
             driver: true,
             csinode_driver: true,
+            size: None,
         }
     }
 
@@ -59,6 +62,7 @@ impl NodeSpec {
             name: name.into(),
             driver: selector_label,
             csinode_driver,
+            size: None,
         }
     }
 
@@ -68,7 +72,14 @@ impl NodeSpec {
             name: name.into(),
             driver: false,
             csinode_driver: false,
+            size: None,
         }
+    }
+
+    /// The same node with a PMEM budget (`--emulated-size`) of its own.
+    pub fn budget(mut self, size: impl Into<String>) -> Self {
+        self.size = Some(size.into());
+        self
     }
 
     /// The topology key of `driver` (`<driver>/node`).

@@ -249,11 +249,12 @@ pub async fn failed_scheduling(
 /// The manifests' MutatingWebhookConfiguration as testenv can use it: its webhook (rules,
 /// opt-out selectors, side effects, timeout) once per `(name, url)` — one per replica, since
 /// replicas on 127.0.0.1 have ports of their own and no Service routes to them — with a URL
-/// instead of the Service, and `failure_policy` (tests use `Fail` to count failed calls).
+/// instead of the Service, and `failure_policy` when given (tests use `Fail` to count failed
+/// calls; `None` keeps the manifests').
 pub fn pod_webhook_configuration(
     rendered: &crate::manifests::Rendered,
     webhooks: &[(&str, String)],
-    failure_policy: &str,
+    failure_policy: Option<&str>,
 ) -> Result<k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration, String> {
     use k8s_openapi::api::admissionregistration::v1::{
         MutatingWebhookConfiguration, WebhookClientConfig,
@@ -280,7 +281,9 @@ pub fn pod_webhook_configuration(
                     url: Some(url.clone()),
                     ..Default::default()
                 };
-                webhook.failure_policy = Some(failure_policy.into());
+                if let Some(policy) = failure_policy {
+                    webhook.failure_policy = Some(policy.into());
+                }
                 webhook
             })
             .collect(),

@@ -1,0 +1,525 @@
+//! The end-to-end scenarios (DESIGN §7): on testenv by default — three nodes with different
+//! PMEM budgets, webhook, extender, controller and the simulated kubelet — or on the cluster of
+//! `KUBECONFIG`. Each scenario ends with its leak check ([`e2e::Scenario::finish`]). Scenarios
+//! that need to stop or kill node processes run on testenv only and say so when skipped.
+
+use std::collections::BTreeMap;
+
+use e2e::{
+    CLASS, CLASS_NO_ERASE, Cluster, DRIVER, MI, Scenario, WAIT, claim_volume,
+    generic_ephemeral_volume, inline_volume, node_of, pinned_node, pod, volume_handle,
+};
+use futures::future::join_all;
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::storage::v1::{CSINode, CSIStorageCapacity, StorageClass};
+use kube::Api;
+use kube::api::{DeleteParams, ListParams, PostParams};
+use testenv::objects;
+use testenv::wait::until;
+
+async fn cluster() -> Cluster {
+    Cluster::connect(e2e::testenv_builder)
+        .await
+        .expect("cluster")
+}
+
+fn mib(n: i64) -> String {
+    format!("{n}Mi")
+}
+
+/// The volume of pod `uid` that the simulated kubelet published (testenv only).
+fn published_target(env: &testenv::TestEnv, uid: &str, volume: &str) -> std::path::PathBuf {
+    env.kubelet()
+        .expect("kubelet")
+        .mounted(uid)
+        .into_iter()
+        .find(|m| m.volume.name == volume)
+        .map(|m| m.volume.target)
+        .unwrap_or_else(|| panic!("{volume} of pod {uid} not published"))
+}
+
+fn uid(pod: &k8s_openapi::api::core::v1::Pod) -> String {
+    pod.metadata.uid.clone().expect("uid")
+}
+
+async fn delete_pod(s: &Scenario, name: &str) {
+    s.pods
+        .delete(name, &DeleteParams::default())
+        .await
+        .expect("delete pod");
+    objects::wait_gone(&s.pods, name, WAIT)
+        .await
+        .expect("pod gone");
+}
+
+/// Sum over the testenv drivers of CreateVolume calls that ended in ResourceExhausted.
+async fn exhausted_creates(c: &Cluster) -> u64 {
+    let Some(env) = c.env else { return 0 };
+    let mut total = 0;
+    for node in env.nodes() {
+        let Some(port) = env.driver_admin_port(&node.name) else {
+            continue;
+        };
+        let text = objects::scrape_metrics(port).await;
+        assert!(!text.is_empty(), "metrics of {}", node.name);
+        total += text
+            .lines()
+            .filter(|l| {
+                l.starts_with("csi_plugin_operations_seconds_count")
+                    && l.contains("CreateVolume")
+                    && l.contains("ResourceExhausted")
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as u64;
+    }
+    total
+}
+
+/// 1. Late binding: claim + pod → Running; the PV is pinned to the pod's node; a file written
+/// through the pod's mount is read back by the next pod using the claim.
+#[tokio::test]
+async fn s01_late_binding() {
+    let c = cluster().await;
+    let s = c.scenario("late-binding").await.expect("scenario");
+    s.claim("data", CLASS, "64Mi", false).await.expect("claim");
+    s.pod_using("writer", "data").await.expect("pod");
+    let (writer, _) = s
+        .running_with_volume("writer", "data")
+        .await
+        .expect("running, the PV pinned to the pod's node");
+    if let Some(env) = c.env {
+        let target = published_target(env, &uid(&writer), "data");
+        std::fs::write(target.join("hello"), "written by the first pod").expect("write");
+        delete_pod(&s, "writer").await;
+        s.pod_using("reader", "data").await.expect("pod");
+        let reader = s.running("reader").await.expect("running");
+        assert_eq!(node_of(&reader), node_of(&writer));
+        let target = published_target(env, &uid(&reader), "data");
+        assert_eq!(
+            std::fs::read_to_string(target.join("hello")).expect("read back"),
+            "written by the first pod"
+        );
+    }
+    s.finish().await.expect("leak check");
+}
+
+/// 2. Capacity: a pod needing more than every node but the largest has lands on the largest.
+#[tokio::test]
+async fn s02_capacity_decides_the_node() {
+    let c = cluster().await;
+    let s = c.scenario("capacity").await.expect("scenario");
+    let mut by_size: Vec<(&String, &i64)> = s.full.iter().collect();
+    by_size.sort_by_key(|(_, bytes)| **bytes);
+    let [.., (second, second_bytes), (largest, largest_bytes)] = by_size[..] else {
+        panic!("needs two nodes with capacity, have {:?}", s.full);
+    };
+    assert!(
+        largest_bytes > second_bytes,
+        "{largest} and {second} publish the same capacity"
+    );
+    // More than any other node has, rounded up to the 4 MiB alignment.
+    let size = (second_bytes / MI + 4) / 4 * 4;
+    s.claim_and_pod("big", CLASS_NO_ERASE, &mib(size))
+        .await
+        .expect("claim and pod");
+    let running = s.running("big").await.expect("running");
+    assert_eq!(&node_of(&running), largest, "{size} MiB fits only there");
+    s.finish().await.expect("leak check");
+}
+
+/// 3. Race: 20 pods in one burst whose volumes exceed any node but fit the cluster under any
+/// greedy order (64 MiB each: every budget is a multiple) → all Running, no CreateVolume ends
+/// in ResourceExhausted and no ProvisioningFailed event. Five repetitions.
+#[tokio::test]
+async fn s03_burst_never_overcommits() {
+    const PODS: i64 = 20;
+    const SIZE: i64 = 64;
+    let c = cluster().await;
+    for rep in 1..=5 {
+        let s = c.scenario("race").await.expect("scenario");
+        let total: i64 = s.full.values().sum();
+        let largest = s.full.values().max().copied().unwrap_or(0);
+        assert!(
+            PODS * SIZE * MI <= total && PODS * SIZE * MI > largest,
+            "the burst must exceed every node and fit the cluster: {:?}",
+            s.full
+        );
+        assert!(
+            s.full.values().all(|b| b % (SIZE * MI) == 0),
+            "budgets must be multiples of {SIZE} MiB for any greedy order to fit: {:?}",
+            s.full
+        );
+        let exhausted_before = exhausted_creates(&c).await;
+        let creates = (0..PODS).map(|i| {
+            let s = &s;
+            async move {
+                let name = format!("burst-{i}");
+                s.claim_and_pod(&name, CLASS_NO_ERASE, &mib(SIZE)).await
+            }
+        });
+        for created in join_all(creates).await {
+            created.expect("create");
+        }
+        let mut per_node: BTreeMap<String, i64> = BTreeMap::new();
+        for i in 0..PODS {
+            let running = s.running(&format!("burst-{i}")).await.expect("running");
+            *per_node.entry(node_of(&running)).or_default() += SIZE * MI;
+        }
+        for (node, used) in &per_node {
+            assert!(
+                s.full.get(node).is_some_and(|budget| used <= budget),
+                "rep {rep}: {node} holds {used} bytes of {:?}",
+                s.full.get(node)
+            );
+        }
+        assert_eq!(
+            s.events("ProvisioningFailed").await.expect("events"),
+            Vec::<String>::new(),
+            "rep {rep}"
+        );
+        assert_eq!(
+            exhausted_creates(&c).await,
+            exhausted_before,
+            "rep {rep}: CreateVolume ended in ResourceExhausted"
+        );
+        s.finish().await.expect("leak check");
+    }
+}
+
+/// 4. A claim pre-annotated with a node without the driver (no labels, no CSINode entry) is
+/// rescheduled by the controller and bound on a node with the driver.
+#[tokio::test]
+async fn s04_claim_on_a_driverless_node_is_rescheduled() {
+    let c = cluster().await;
+    let s = c.scenario("driverless").await.expect("scenario");
+    let nodes = Api::<Node>::all(c.client.clone());
+    let name = format!("{}-nodriver", s.namespace);
+    nodes
+        .create(
+            &PostParams::default(),
+            &testenv::NodeSpec::driverless(&name).node(DRIVER),
+        )
+        .await
+        .expect("node");
+    let claim = objects::selected_for(
+        objects::claim(&s.namespace, "data", CLASS_NO_ERASE, "64Mi"),
+        &name,
+    );
+    s.claims
+        .create(&PostParams::default(), &claim)
+        .await
+        .expect("claim");
+    s.pod_using("app", "data").await.expect("pod");
+    let (running, _) = s
+        .running_with_volume("app", "data")
+        .await
+        .expect("running, the PV pinned to the pod's node");
+    assert_ne!(node_of(&running), name);
+    let rescheduled = s.events("Rescheduled").await.expect("events");
+    assert!(
+        rescheduled.iter().any(|e| e.starts_with("data:")),
+        "a Rescheduled event for the claim: {rescheduled:?}"
+    );
+    nodes
+        .delete(&name, &DeleteParams::default())
+        .await
+        .expect("delete node");
+    s.finish().await.expect("leak check");
+}
+
+/// 5. CSI inline ephemeral volume: the pod runs, the volume exists while it lives and is gone
+/// after.
+#[tokio::test]
+async fn s05_inline_ephemeral_volume() {
+    let c = cluster().await;
+    let s = c.scenario("inline").await.expect("scenario");
+    s.pod(&pod(
+        &s.namespace,
+        "app",
+        vec![inline_volume("scratch", "64Mi")],
+        &[],
+    ))
+    .await
+    .expect("pod");
+    let running = s.running("app").await.expect("running");
+    if let Some(env) = c.env {
+        // The driver names the volume after kubelet's id, as PMEM-CSI derives ids from names.
+        let id = driver::volume_id::volume_id(&testenv::kubelet::inline_volume_id(
+            &uid(&running),
+            "scratch",
+        ));
+        let node = node_of(&running);
+        let volumes = e2e::node_volumes(env, &node).await.expect("volumes");
+        assert_eq!(volumes, vec![id.clone()], "the inline volume on {node}");
+        let target = published_target(env, &uid(&running), "scratch");
+        std::fs::write(target.join("probe"), "x").expect("a writable file system");
+        delete_pod(&s, "app").await;
+        until("the inline volume to be deleted", WAIT, || async {
+            let left = e2e::node_volumes(env, &node).await?;
+            if left.contains(&id) {
+                Err(format!("{left:?}"))
+            } else {
+                Ok(())
+            }
+        })
+        .await
+        .expect("deleted with the pod");
+    }
+    s.finish().await.expect("leak check");
+}
+
+/// 6. The driver of the node provisioning the first of 10 claims is SIGKILLed: driver and
+/// provisioner restart, every claim binds, with exactly one PV and one volume each.
+#[tokio::test]
+async fn s06_driver_killed_while_provisioning() {
+    let c = cluster().await;
+    let Some(env) = c.env else {
+        eprintln!("skipped: killing a driver needs testenv");
+        return;
+    };
+    let s = c.scenario("killed").await.expect("scenario");
+    for i in 0..10 {
+        let name = format!("c{i}");
+        s.claim_and_pod(&name, CLASS_NO_ERASE, "64Mi")
+            .await
+            .expect("claim and pod");
+    }
+    let victim = until("a claim to be selected for a node", WAIT, || async {
+        for i in 0..10 {
+            if let Some(node) = objects::selected_node(&s.claims, &format!("c{i}")).await {
+                return Ok(node);
+            }
+        }
+        Err("none selected".to_string())
+    })
+    .await
+    .expect("selected");
+    let (driver_restarts, provisioner_restarts) = env.node_restarts(&victim).expect("victim");
+    env.signal_node_driver(&victim, rustix::process::Signal::KILL)
+        .expect("SIGKILL");
+    for i in 0..10 {
+        s.running(&format!("c{i}")).await.expect("running");
+    }
+    until("driver and provisioner to have restarted", WAIT, || async {
+        let (d, p) = env.node_restarts(&victim).ok_or("gone")?;
+        if d > driver_restarts && p > provisioner_restarts {
+            Ok(())
+        } else {
+            Err(format!("driver {d}, provisioner {p} restarts"))
+        }
+    })
+    .await
+    .expect("restarted");
+    let pvs = s.volumes().await.expect("pvs");
+    assert_eq!(pvs.len(), 10, "one PV per claim");
+    let mut on_nodes: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for pv in &pvs {
+        on_nodes
+            .entry(pinned_node(pv).expect("pinned"))
+            .or_default()
+            .push(volume_handle(pv));
+    }
+    for (node, mut handles) in on_nodes {
+        handles.sort();
+        let mut volumes = e2e::node_volumes(env, &node).await.expect("volumes");
+        volumes.sort();
+        assert_eq!(
+            volumes, handles,
+            "{node} has exactly the volumes of its PVs"
+        );
+    }
+    s.finish().await.expect("leak check");
+}
+
+/// 7. Cleanup: deleting pods and claims erases and deletes the volumes; capacity is full again.
+#[tokio::test]
+async fn s07_cleanup() {
+    let c = cluster().await;
+    let s = c.scenario("cleanup").await.expect("scenario");
+    for i in 0..3 {
+        let name = format!("c{i}");
+        s.claim_and_pod(&name, CLASS, "64Mi")
+            .await
+            .expect("claim and pod");
+    }
+    for i in 0..3 {
+        s.running(&format!("c{i}")).await.expect("running");
+    }
+    let used: i64 = c.capacity().await.expect("capacity").values().sum();
+    assert!(
+        used < s.full.values().sum::<i64>(),
+        "capacity went down while the volumes exist"
+    );
+    for i in 0..3 {
+        delete_pod(&s, &format!("c{i}")).await;
+        s.claims
+            .delete(&format!("c{i}"), &DeleteParams::default())
+            .await
+            .expect("delete claim");
+    }
+    s.volumes_gone().await.expect("PVs deleted");
+    s.finish().await.expect("leak check");
+}
+
+/// 8. A claim of an Immediate class binds without a pod, on a node with room.
+#[tokio::test]
+async fn s08_immediate_binding() {
+    let c = cluster().await;
+    let s = c.scenario("immediate").await.expect("scenario");
+    let class = format!("{}-immediate", s.namespace);
+    objects::create_storage_class(&c.client, &class, DRIVER, "Immediate")
+        .await
+        .expect("class");
+    s.claim("now", &class, "64Mi", false).await.expect("claim");
+    let pv = until("the claim to bind", WAIT, || async {
+        s.volume_of("now").await.map_err(|e| e.to_string())
+    })
+    .await
+    .expect("bound");
+    let node = pinned_node(&pv).expect("pinned");
+    assert!(
+        s.full.get(&node).is_some_and(|b| *b >= 64 * MI),
+        "{node} had room"
+    );
+    s.pod_using("app", "now").await.expect("pod");
+    assert_eq!(node_of(&s.running("app").await.expect("running")), node);
+    s.finish().await.expect("leak check");
+    Api::<StorageClass>::all(c.client.clone())
+        .delete(&class, &DeleteParams::default())
+        .await
+        .expect("delete class");
+}
+
+/// 9. A raw block volume: the pod gets a block device.
+#[tokio::test]
+async fn s09_raw_block() {
+    let c = cluster().await;
+    let s = c.scenario("block").await.expect("scenario");
+    s.claim("dev", CLASS, "64Mi", true).await.expect("claim");
+    s.pod(&pod(
+        &s.namespace,
+        "app",
+        vec![claim_volume("dev", "dev")],
+        &["dev"],
+    ))
+    .await
+    .expect("pod");
+    let running = s.running("app").await.expect("running");
+    if let Some(env) = c.env {
+        use std::os::unix::fs::FileTypeExt;
+        let target = published_target(env, &uid(&running), "dev");
+        let kind = std::fs::metadata(&target).expect("target").file_type();
+        assert!(
+            kind.is_block_device(),
+            "{} is a block device",
+            target.display()
+        );
+    }
+    s.finish().await.expect("leak check");
+}
+
+/// 10. A generic ephemeral volume: its claim is made, bound and mounted, and goes with the pod.
+#[tokio::test]
+async fn s10_generic_ephemeral_volume() {
+    let c = cluster().await;
+    let s = c.scenario("generic").await.expect("scenario");
+    s.pod(&pod(
+        &s.namespace,
+        "app",
+        vec![generic_ephemeral_volume("scratch", CLASS, "64Mi")],
+        &[],
+    ))
+    .await
+    .expect("pod");
+    s.running_with_volume("app", "app-scratch")
+        .await
+        .expect("running, the PV of the pod's claim pinned to its node");
+    delete_pod(&s, "app").await;
+    objects::wait_gone(&s.claims, "app-scratch", WAIT)
+        .await
+        .expect("the claim goes with the pod");
+    s.finish().await.expect("leak check");
+}
+
+/// 11. A node is deleted while a pending claim is selected for it: its capacity objects are
+/// collected and the claim goes back to the scheduler, which binds it elsewhere.
+#[tokio::test]
+async fn s11_node_deleted_with_a_selected_claim() {
+    let c = cluster().await;
+    let s = c.scenario("node-deleted").await.expect("scenario");
+    let name = format!("{}-gone", s.namespace);
+    let spec = testenv::NodeSpec::with_driver(&name);
+    let node = Api::<Node>::all(c.client.clone())
+        .create(&PostParams::default(), &spec.node(DRIVER))
+        .await
+        .expect("node");
+    Api::<CSINode>::all(c.client.clone())
+        .create(&PostParams::default(), &spec.csi_node(DRIVER))
+        .await
+        .expect("csinode");
+    let capacities = Api::<CSIStorageCapacity>::namespaced(c.client.clone(), "pmem-csi");
+    let mut capacity =
+        objects::published_capacity("pmem-csi", DRIVER, &name, CLASS, &[256 << 20], 256 << 20);
+    capacity.metadata.owner_references = Some(vec![
+        k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+            api_version: "v1".into(),
+            kind: "Node".into(),
+            name: name.clone(),
+            uid: node.metadata.uid.clone().expect("node uid"),
+            ..Default::default()
+        },
+    ]);
+    capacities
+        .create(&PostParams::default(), &capacity)
+        .await
+        .expect("capacity");
+    let claim = objects::selected_for(
+        objects::claim(&s.namespace, "data", CLASS_NO_ERASE, "64Mi"),
+        &name,
+    );
+    s.claims
+        .create(&PostParams::default(), &claim)
+        .await
+        .expect("claim");
+    Api::<Node>::all(c.client.clone())
+        .delete(&name, &DeleteParams::default())
+        .await
+        .expect("delete node");
+    until(
+        "the node's capacity objects to be collected",
+        WAIT,
+        || async {
+            let left: Vec<String> = capacities
+                .list(&ListParams::default())
+                .await
+                .map_err(|e| e.to_string())?
+                .items
+                .into_iter()
+                .filter_map(|c| c.metadata.name)
+                .filter(|n| n.contains(&name))
+                .collect();
+            if left.is_empty() {
+                Ok(())
+            } else {
+                Err(format!("{left:?}"))
+            }
+        },
+    )
+    .await
+    .expect("collected");
+    until("the claim to be rescheduled", WAIT, || async {
+        match objects::selected_node(&s.claims, "data").await {
+            Some(n) if n == name => Err(format!("still selected for {n}")),
+            other => Ok(other),
+        }
+    })
+    .await
+    .expect("rescheduled");
+    s.pod_using("app", "data").await.expect("pod");
+    let running = s.running("app").await.expect("running");
+    assert_ne!(node_of(&running), name);
+    let _ = Api::<CSINode>::all(c.client.clone())
+        .delete(&name, &DeleteParams::default())
+        .await;
+    s.finish().await.expect("leak check");
+}
