@@ -48,10 +48,10 @@ test: tools build
 e2e-cluster:
     cargo test -p e2e --test scenarios -- --test-threads=1 --nocapture
 
-# A 3-node testenv that runs until Ctrl-C; prints KUBECONFIG and the kubectl to use.
-demo: tools
+# A 3-node testenv runs the examples, narrated, then stays up until Ctrl-C (--exit-after-demo: stops).
+demo *ARGS: tools
     cargo build --workspace --bins
-    cargo run --quiet -p testenv --bin demo
+    cargo run --quiet -p testenv --bin demo -- {{ARGS}}
 
 # Full benchmarks; results into bench/results/, rendered into BENCHMARKS.md.
 bench: tools

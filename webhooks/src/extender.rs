@@ -432,6 +432,7 @@ async fn filter(State(shared): State<Shared>, body: Bytes) -> Response {
             tracing::debug!(
                 pod = %outcome.pod,
                 passed = outcome.result_nodes,
+                nodes = ?outcome.result.node_names.as_ref().map(|n| n.iter().collect::<Vec<_>>()),
                 details = ?outcome.details,
                 "filter"
             );

@@ -1,63 +1,483 @@
-//! `just demo`: a 3-node testenv that runs until Ctrl-C, then leaves nothing behind.
+//! `just demo`: a 3-node testenv with every piece running (drivers and provisioners, controller
+//! and webhook, extender beside kube-scheduler, simulated kubelet). It applies the examples of
+//! `manifests/examples` one by one and narrates each pod's way to Running — the webhook's
+//! mutation, the extender's decision, CreateVolume on the chosen node, stage and publish — then
+//! keeps the cluster up until Ctrl-C (or stops at once with `--exit-after-demo`) and leaves
+//! nothing behind.
+//!
+//! Transcript lines start with `[<seconds>s] <step>`; `tests/demo.rs` checks them.
 
-use std::time::Duration;
+use std::path::Path;
+use std::time::{Duration, Instant};
 
-use anyhow::Context;
+use anyhow::{Context, bail};
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
+use kube::Api;
+use serde_json::Value;
 use testenv::TestEnv;
+use testenv::wait::until;
 use tokio::signal::unix::{SignalKind, signal};
+
+const NAMESPACE: &str = "demo";
+const EXAMPLES: [&str; 4] = [
+    "pvc-late-binding.yaml",
+    "pvc-block.yaml",
+    "pod-inline-ephemeral.yaml",
+    "pod-generic-ephemeral.yaml",
+];
+const WAIT: Duration = Duration::from_secs(120);
+const BUDGET: &str = "2Gi";
+
+struct Narrator {
+    start: Instant,
+}
+
+impl Narrator {
+    fn say(&self, step: &str, text: impl std::fmt::Display) {
+        println!(
+            "[{:>6.1}s] {step:<9} {text}",
+            self.start.elapsed().as_secs_f64()
+        );
+    }
+}
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info,kube_client=off".into()),
+                .unwrap_or_else(|_| "warn,kube_client=off".into()),
         )
         .with_writer(std::io::stderr)
         .init();
-    let nodes = std::env::var("TESTENV_NODES")
-        .ok()
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(3);
+    let exit_after_demo = std::env::args().any(|a| a == "--exit-after-demo");
+    if let Some(other) = std::env::args().skip(1).find(|a| a != "--exit-after-demo") {
+        bail!("unknown argument {other:?}; the only option is --exit-after-demo");
+    }
     let mut term = signal(SignalKind::terminate()).context("SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("SIGINT handler")?;
+    let n = Narrator {
+        start: Instant::now(),
+    };
+    n.say(
+        "start",
+        format!(
+            "testenv: etcd, kube-apiserver, kube-controller-manager, kube-scheduler with the \
+             extender (--placement=pin, so that its decision is one node), 3 nodes with \
+             {BUDGET} of emulated PMEM each, the controller with its webhook, simulated kubelet"
+        ),
+    );
+    let options = testenv::node_processes::DriverOptions {
+        size: BUDGET.into(),
+        extra_args: vec!["--log-format=json".into()],
+        ..Default::default()
+    };
     let env = tokio::select! {
         env = TestEnv::builder()
-            .nodes(nodes)
-            .drivers(testenv::node_processes::DriverOptions::default())
+            .nodes(3)
+            .drivers(options)
+            .extender(["--placement=pin", "--log-format=json"])
+            .extender_env("RUST_LOG", "info,webhooks::extender=debug,webhooks::placement=debug")
+            .controller(Vec::<String>::new())
+            .kubelet()
             .start() => env.context("starting testenv")?,
         _ = int.recv() => return Ok(()),
         _ = term.recv() => return Ok(()),
     };
-    let kubectl = env.tools().go("kubectl");
-    let names: Vec<&str> = env.nodes().iter().map(|n| n.name.as_str()).collect();
-    println!(
-        "\ntestenv is up: a real control plane on 127.0.0.1 (etcd, kube-apiserver, \
-         kube-controller-manager, kube-scheduler), and on every node pmem-csi node (emulated, 1 GiB) \
-         with csi-provisioner, started from manifests/overlays/emulated under its ServiceAccounts; \
-         StorageClass pmem-csi-sc-ext4 (or -xfs, WaitForFirstConsumer) provisions a claim once a pod \
-         using it is scheduled (no kubelet runs the pod).\n\n  \
-         export KUBECONFIG={}\n  \
-         alias kubectl={}\n  \
-         kubectl get nodes   # {}\n\n  \
-         apiserver:  {}\n  work dir:   {}\n  logs:       {}/logs\n  process group: {}\n\n\
-         Press Ctrl-C to stop; everything is removed.",
-        env.admin_kubeconfig().display(),
-        kubectl.display(),
-        names.join(", "),
-        env.server(),
-        env.dir().display(),
-        env.dir().display(),
-        env.process_group_id(),
-    );
-    tokio::select! {
-        _ = int.recv() => {},
-        _ = term.recv() => {},
+    n.say("ready", "cluster up");
+    let outcome = tokio::select! {
+        outcome = run(&env, &n) => outcome,
+        _ = int.recv() => Ok(()),
+        _ = term.recv() => Ok(()),
+    };
+    if let Err(e) = &outcome {
+        // The work directory goes with the testenv; the logs explain the failure.
+        let kept = std::env::temp_dir().join(format!("pmem-csi-demo-logs-{}", std::process::id()));
+        let copied = std::process::Command::new("cp")
+            .arg("-a")
+            .arg(env.dir().join("logs"))
+            .arg(&kept)
+            .status()
+            .is_ok_and(|s| s.success());
+        eprintln!(
+            "demo failed: {e:#}{}",
+            if copied {
+                format!("; logs kept in {}", kept.display())
+            } else {
+                String::new()
+            }
+        );
+    } else if !exit_after_demo {
+        print_access(&env);
+        tokio::select! {
+            _ = int.recv() => {},
+            _ = term.recv() => {},
+        }
     }
     eprintln!("stopping testenv");
     let leftovers = env.stop().await;
     let remaining = leftovers.wait_clean(Duration::from_secs(10)).await;
     anyhow::ensure!(remaining.is_empty(), "left behind: {remaining:?}");
-    eprintln!("testenv stopped; nothing left behind");
+    n.say("stopped", "testenv stopped; nothing left behind");
+    outcome
+}
+
+async fn run(env: &TestEnv, n: &Narrator) -> anyhow::Result<()> {
+    let client = env.client().await?;
+    testenv::objects::apply(
+        &Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone()),
+        &serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}
+        }))?,
+    )
+    .await
+    .context("namespace")?;
+    for example in EXAMPLES {
+        let path = testenv::tools::repo_root()
+            .join("manifests/examples")
+            .join(example);
+        let pods = apply(env, &path)?;
+        n.say(
+            "apply",
+            format!("manifests/examples/{example}: pods {pods:?}"),
+        );
+        for pod in pods {
+            narrate_pod(env, n, &client, &pod)
+                .await
+                .with_context(|| format!("pod {NAMESPACE}/{pod}"))?;
+        }
+    }
+    for node in env.nodes() {
+        let Some(port) = env.driver_admin_port(&node.name) else {
+            continue;
+        };
+        let text = testenv::objects::scrape_metrics(port).await;
+        let (count, sum) = create_volume_histogram(&text);
+        n.say(
+            "histogram",
+            format!(
+                "{} csi_plugin_operations_seconds CreateVolume OK: count {count}, sum {sum:.4} s",
+                node.name
+            ),
+        );
+    }
+    n.say("done", "every example pod is Running");
     Ok(())
+}
+
+/// `kubectl apply -f path -n demo`; returns the pods it created.
+fn apply(env: &TestEnv, path: &Path) -> anyhow::Result<Vec<String>> {
+    let output = std::process::Command::new(env.tools().go("kubectl"))
+        .arg("--kubeconfig")
+        .arg(env.admin_kubeconfig())
+        .args(["apply", "-n", NAMESPACE, "-f"])
+        .arg(path)
+        .output()
+        .context("running kubectl")?;
+    if !output.status.success() {
+        bail!(
+            "kubectl apply -f {}: {}",
+            path.display(),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|l| l.strip_prefix("pod/"))
+        .filter_map(|l| l.split_whitespace().next())
+        .map(str::to_string)
+        .collect())
+}
+
+async fn narrate_pod(
+    env: &TestEnv,
+    n: &Narrator,
+    client: &kube::Client,
+    name: &str,
+) -> anyhow::Result<()> {
+    let pods = Api::<Pod>::namespaced(client.clone(), NAMESPACE);
+    let driver = env.driver_name().to_string();
+    let created = pods.get(name).await?;
+    let resource = format!("{driver}/scheduler");
+    let marked = created
+        .spec
+        .as_ref()
+        .and_then(|s| s.containers.first())
+        .and_then(|c| c.resources.as_ref()?.requests.as_ref()?.get(&resource))
+        .map(|q| q.0.clone());
+    match marked {
+        Some(v) => n.say(
+            "webhook",
+            format!("{NAMESPACE}/{name}: containers[0] requests {resource}={v}"),
+        ),
+        None => n.say("webhook", format!("{NAMESPACE}/{name}: not mutated")),
+    }
+    let node = until("the pod to be scheduled", WAIT, || async {
+        pods.get(name)
+            .await
+            .map_err(|e| e.to_string())?
+            .spec
+            .and_then(|s| s.node_name)
+            .ok_or_else(|| "not scheduled".to_string())
+    })
+    .await?;
+    let pod_key = format!("{NAMESPACE}/{name}");
+    let decision = until("the extender's decision in its log", WAIT, || async {
+        extender_decision(&env.dir().join("logs/extender.log"), &pod_key)
+            .ok_or_else(|| "no filter line yet".to_string())
+    })
+    .await?;
+    n.say("extender", format!("{pod_key}: {decision}"));
+    let spec = created.spec.clone().unwrap_or_default();
+    for volume in spec.volumes.iter().flatten() {
+        let claim = if let Some(c) = &volume.persistent_volume_claim {
+            c.claim_name.clone()
+        } else if volume.ephemeral.is_some() {
+            format!("{name}-{}", volume.name)
+        } else {
+            continue;
+        };
+        let claims = Api::<PersistentVolumeClaim>::namespaced(client.clone(), NAMESPACE);
+        let pv_name = until("the claim to bind", WAIT, || async {
+            claims
+                .get(&claim)
+                .await
+                .map_err(|e| e.to_string())?
+                .spec
+                .and_then(|s| s.volume_name)
+                .filter(|v| !v.is_empty())
+                .ok_or_else(|| "unbound".to_string())
+        })
+        .await?;
+        let pv = Api::<PersistentVolume>::all(client.clone())
+            .get(&pv_name)
+            .await?;
+        let pinned = pinned_node(&pv, &driver).unwrap_or_default();
+        n.say(
+            "pv",
+            format!("{NAMESPACE}/{claim} -> {pv_name} pinned to {pinned}"),
+        );
+        let log = env.dir().join(format!("logs/{pinned}-pmem-csi.log"));
+        let (size, elapsed) = until("CreateVolume in the driver's log", WAIT, || async {
+            create_volume_in_log(&log, &pv_name).ok_or_else(|| "not logged yet".to_string())
+        })
+        .await?;
+        n.say(
+            "create",
+            format!(
+                "{pinned} CreateVolume {pv_name} ({size} bytes): {:.4} s",
+                elapsed.as_secs_f64()
+            ),
+        );
+    }
+    let running = until("the pod to run", WAIT, || async {
+        let pod = pods.get(name).await.map_err(|e| e.to_string())?;
+        let phase = pod.status.as_ref().and_then(|s| s.phase.clone());
+        (phase.as_deref() == Some("Running"))
+            .then_some(pod)
+            .ok_or_else(|| format!("{phase:?}"))
+    })
+    .await?;
+    let uid = running.metadata.uid.clone().unwrap_or_default();
+    if let Some(kubelet) = env.kubelet() {
+        for m in kubelet.mounted(&uid) {
+            let stage = m.staged_in.map_or_else(
+                || "no NodeStageVolume (inline: created by NodePublishVolume)".to_string(),
+                |d| format!("NodeStageVolume {:.4} s", d.as_secs_f64()),
+            );
+            n.say(
+                "mount",
+                format!(
+                    "{} {pod_key} {}: {stage}, NodePublishVolume {:.4} s",
+                    m.node,
+                    m.volume.name,
+                    m.published_in.as_secs_f64()
+                ),
+            );
+        }
+    }
+    let since = running
+        .metadata
+        .creation_timestamp
+        .map(|t| {
+            let now = k8s_openapi::jiff::Timestamp::now();
+            now.duration_since(t.0).as_secs_f64()
+        })
+        .unwrap_or_default();
+    n.say(
+        "running",
+        format!("{pod_key} on {node}, {since:.1} s after creation"),
+    );
+    Ok(())
+}
+
+fn pinned_node(pv: &PersistentVolume, driver: &str) -> Option<String> {
+    pv.spec
+        .as_ref()?
+        .node_affinity
+        .as_ref()?
+        .required
+        .as_ref()?
+        .node_selector_terms
+        .iter()
+        .flat_map(|t| t.match_expressions.iter().flatten())
+        .find(|e| e.key == format!("{driver}/node"))
+        .and_then(|e| e.values.as_ref()?.first().cloned())
+}
+
+/// JSON log lines of `path` (the supervisor's own lines are not JSON).
+fn json_lines(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+/// Field `name` of a JSON log line: our `--log-format=json` flattens fields into the line.
+fn field<'a>(line: &'a Value, name: &str) -> Option<&'a str> {
+    line.get(name)?.as_str()
+}
+
+/// The extender's last filter decision for `pod` that passed nodes: "<nodes> (<details>)".
+fn extender_decision(log: &Path, pod: &str) -> Option<String> {
+    json_lines(log)
+        .iter()
+        .rev()
+        .filter(|l| field(l, "message") == Some("filter") && field(l, "pod") == Some(pod))
+        .find(|l| l.get("passed").and_then(Value::as_u64) > Some(0))
+        .map(|l| {
+            let nodes = field(l, "nodes").unwrap_or_default();
+            let details = field(l, "details").unwrap_or_default();
+            format!("chose {} from {details}", first_node(nodes))
+        })
+}
+
+/// The first name of a Debug-printed `Some(["node-2", …])`.
+fn first_node(nodes: &str) -> String {
+    nodes
+        .split('"')
+        .nth(1)
+        .map_or_else(|| nodes.to_string(), str::to_string)
+}
+
+/// `(size, duration)` of the CreateVolume that created volume `name`, from the driver's log:
+/// its "volume created" line and the rpc line that follows it.
+fn create_volume_in_log(log: &Path, name: &str) -> Option<(u64, Duration)> {
+    let lines = json_lines(log);
+    let created = lines.iter().position(|l| {
+        field(l, "message") == Some("volume created") && field(l, "name") == Some(name)
+    })?;
+    let size = lines[created]
+        .get("size")
+        .and_then(Value::as_u64)
+        .unwrap_or_default();
+    let rpc = lines[created..].iter().find(|l| {
+        field(l, "message") == Some("rpc")
+            && field(l, "method").is_some_and(|m| m.ends_with("CreateVolume"))
+    })?;
+    Some((size, parse_debug_duration(field(rpc, "elapsed")?)?))
+}
+
+/// A `Duration`'s Debug form (`1.5s`, `12.3ms`, `812µs`, `40ns`).
+fn parse_debug_duration(text: &str) -> Option<Duration> {
+    let (number, unit) = text.split_at(text.find(|c: char| c.is_alphabetic() || c == 'µ')?);
+    let value: f64 = number.parse().ok()?;
+    let seconds = match unit {
+        "s" => value,
+        "ms" => value / 1e3,
+        "µs" | "us" => value / 1e6,
+        "ns" => value / 1e9,
+        _ => return None,
+    };
+    Some(Duration::from_secs_f64(seconds))
+}
+
+/// `(count, sum)` of the successful CreateVolume calls in a driver's metrics.
+fn create_volume_histogram(text: &str) -> (u64, f64) {
+    let pick = |suffix: &str| {
+        text.lines()
+            .filter(|l| {
+                l.starts_with(&format!("csi_plugin_operations_seconds_{suffix}{{"))
+                    && l.contains("CreateVolume")
+                    && l.contains("grpc_status_code=\"OK\"")
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            // Not sum(): an empty f64 sum is -0.0, printed as "-0.0000".
+            .fold(0.0, |total, v| total + v)
+    };
+    (pick("count") as u64, pick("sum"))
+}
+
+fn print_access(env: &TestEnv) {
+    let kubectl = env.tools().go("kubectl");
+    let mut metrics: Vec<String> = env
+        .nodes()
+        .iter()
+        .filter_map(|node| {
+            env.driver_admin_port(&node.name)
+                .map(|p| format!("  {:<10} http://127.0.0.1:{p}/metrics", node.name))
+        })
+        .collect();
+    if let Some((_, admin)) = env.controller_ports() {
+        metrics.push(format!("  controller http://127.0.0.1:{admin}/metrics"));
+    }
+    if let Some((_, admin)) = env.extender_addresses() {
+        metrics.push(format!("  extender   http://{admin}/metrics"));
+    }
+    println!(
+        "\nThe cluster stays up; the demo's objects are in namespace {NAMESPACE}.\n\n  \
+         export KUBECONFIG={}\n  \
+         alias kubectl={}\n  \
+         kubectl get pods,pvc -n {NAMESPACE} -o wide\n\n\
+         metrics:\n{}\n\n  \
+         apiserver:  {}\n  logs:       {}/logs\n  process group: {}\n\n\
+         Press Ctrl-C to stop; everything is removed.",
+        env.admin_kubeconfig().display(),
+        kubectl.display(),
+        metrics.join("\n"),
+        env.server(),
+        env.dir().display(),
+        env.process_group_id(),
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_durations() {
+        for (text, want) in [
+            ("1.5s", Some(1.5)),
+            ("12.25ms", Some(0.01225)),
+            ("812µs", Some(0.000812)),
+            ("40ns", Some(0.00000004)),
+            ("3m", None),
+            ("ms", None),
+        ] {
+            assert_eq!(
+                parse_debug_duration(text).map(|d| (d.as_secs_f64() * 1e9).round()),
+                want.map(|w: f64| (w * 1e9).round()),
+                "{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn histogram_sums_ok_create_volume_only() {
+        let text = "\
+csi_plugin_operations_seconds_sum{driver_name=\"d\",method_name=\"/csi.v1.Controller/CreateVolume\",grpc_status_code=\"OK\"} 0.5
+csi_plugin_operations_seconds_count{driver_name=\"d\",method_name=\"/csi.v1.Controller/CreateVolume\",grpc_status_code=\"OK\"} 2
+csi_plugin_operations_seconds_count{driver_name=\"d\",method_name=\"/csi.v1.Controller/CreateVolume\",grpc_status_code=\"ResourceExhausted\"} 7
+csi_plugin_operations_seconds_count{driver_name=\"d\",method_name=\"/csi.v1.Node/NodeStageVolume\",grpc_status_code=\"OK\"} 3
+";
+        assert_eq!(create_volume_histogram(text), (2, 0.5));
+    }
+
+    #[test]
+    fn first_node_of_debug_list() {
+        assert_eq!(first_node("Some([\"node-2\"])"), "node-2");
+        assert_eq!(first_node("None"), "None");
+    }
 }
