@@ -148,7 +148,7 @@ pub async fn rescheduler_pass(
             unit: "s".into(),
             samples: vec![pass.as_secs_f64()],
             secondary: vec![],
-            target: Target { p50_max: Some(30.0), p99_max: None },
+            target: Target { p50_max: Some(30.0), ..Target::none() },
             flags: flags.clone(),
         },
         Benchmark {
@@ -157,7 +157,7 @@ pub async fn rescheduler_pass(
             unit: "ms/1k".into(),
             samples: vec![pass.as_secs_f64() * 1000.0 / (claims as f64 / 1000.0)],
             secondary: vec![],
-            target: Target { p50_max: Some(200.0), p99_max: None },
+            target: Target { p50_max: Some(200.0), ..Target::none() },
             flags: flags.clone(),
         },
         Benchmark {
@@ -166,7 +166,7 @@ pub async fn rescheduler_pass(
             unit: "MiB".into(),
             samples: vec![rss as f64 / (1024.0 * 1024.0)],
             secondary: vec![],
-            target: Target { p50_max: Some(64.0), p99_max: None },
+            target: Target { p50_max: Some(64.0), ..Target::none() },
             flags,
         },
     ])
@@ -246,6 +246,7 @@ pub async fn capacity_latency(
         target: Target {
             p50_max: None,
             p99_max: Some(crate::report::RelativeTarget { of: vec![], plus: 2.0 }),
+            ..Target::none()
         },
         flags: serde_json::json!({"debounce_ms": 500, "poll_ms": 10, "backend": "fake"}),
     })

@@ -249,6 +249,7 @@ pub async fn run(binary: &Path, work: &Path, n: usize) -> anyhow::Result<Vec<Ben
             of: of.iter().map(|s| s.to_string()).collect(),
             plus,
         }),
+        ..Target::none()
     };
     Ok(vec![
         bench(

@@ -4,6 +4,7 @@
 
 mod cluster_scale;
 mod driver_ops;
+mod end_to_end;
 mod http_load;
 mod report;
 mod webhook_load;
@@ -40,6 +41,10 @@ enum Command {
         /// file (experiments).
         #[arg(long, value_parser = ["mutate", "filter"])]
         load_only: Option<String>,
+        /// Run only the end-to-end benchmarks (pod start-up, storage-bound A/B) and print them;
+        /// no result file (experiments).
+        #[arg(long)]
+        e2e_only: bool,
     },
     /// Render BENCHMARKS.md from bench/results/.
     Render,
@@ -91,9 +96,24 @@ fn main() -> anyhow::Result<()> {
             samples,
             driver_only,
             load_only,
+            e2e_only,
         } => {
             let samples = if smoke { 1 } else { samples.max(1) };
             let runtime = tokio::runtime::Runtime::new().context("tokio runtime")?;
+            let e2e = if smoke {
+                end_to_end::Scale::smoke()
+            } else {
+                end_to_end::Scale::full()
+            };
+            if e2e_only {
+                let mut benchmarks = runtime.block_on(end_to_end::pod_startup(&e2e))?;
+                benchmarks.extend(runtime.block_on(end_to_end::storage_bound(&e2e))?);
+                print_quantiles(&benchmarks);
+                for b in &benchmarks {
+                    println!("{}: {}", b.name, b.description);
+                }
+                return Ok(());
+            }
             if let Some(which) = load_only {
                 let scale = if smoke {
                     webhook_load::Scale::smoke()
@@ -140,6 +160,8 @@ fn main() -> anyhow::Result<()> {
             };
             benchmarks.extend(runtime.block_on(webhook_load::mutate(&load))?);
             benchmarks.extend(runtime.block_on(webhook_load::filter(&load))?);
+            benchmarks.extend(runtime.block_on(end_to_end::pod_startup(&e2e))?);
+            benchmarks.extend(runtime.block_on(end_to_end::storage_bound(&e2e))?);
             if smoke {
                 for b in &benchmarks {
                     println!("smoke: {} ran, {} samples", b.name, b.samples.len());
@@ -209,7 +231,7 @@ async fn testenv_startup(samples: usize) -> anyhow::Result<Benchmark> {
         secondary: stop_s,
         target: Target {
             p50_max: Some(10.0),
-            p99_max: None,
+            ..Target::none()
         },
         flags: serde_json::json!({"nodes": 3, "bindTimeoutSeconds": 30}),
     })

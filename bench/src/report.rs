@@ -72,6 +72,13 @@ pub struct Target {
     /// a constant (a cost measured beside it on the same machine).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub p99_max: Option<RelativeTarget>,
+    /// No sample may exceed this (counts that must stay at zero).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max: Option<f64>,
+    /// The median must not exceed the median of this benchmark of the same run, unless that
+    /// one did not finish (its flags say `"finished": false`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub p50_at_most_of: Option<String>,
 }
 
 /// `p99 ≤ Σ p99(of) + plus`.
@@ -87,6 +94,13 @@ impl Target {
     /// No target: reported only.
     pub fn none() -> Self {
         Self::default()
+    }
+
+    fn is_none(&self) -> bool {
+        self.p50_max.is_none()
+            && self.p99_max.is_none()
+            && self.max.is_none()
+            && self.p50_at_most_of.is_none()
     }
 }
 
@@ -128,6 +142,26 @@ impl Benchmark {
                 self.name, self.unit, self.unit
             ));
         }
+        if let Some(max) = self.target.max {
+            let worst = quantile(&self.samples, 1.0);
+            if worst > max {
+                return Some(format!(
+                    "{}: max {worst:.3}{} > {max}{}",
+                    self.name, self.unit, self.unit
+                ));
+            }
+        }
+        if let Some(other) = &self.target.p50_at_most_of {
+            let base = run.iter().find(|b| &b.name == other);
+            let unfinished = base.is_some_and(|b| b.flags["finished"] == false);
+            let limit = base.map_or(f64::NEG_INFINITY, |b| quantile(&b.samples, 0.5));
+            if !unfinished && p50 > limit {
+                return Some(format!(
+                    "{}: p50 {p50:.3}{} > p50({other}) {limit:.3}{}",
+                    self.name, self.unit, self.unit
+                ));
+            }
+        }
         let p99 = quantile(&self.samples, 0.99);
         if let Some(limit) = self.p99_limit(run)
             && p99 > limit
@@ -141,6 +175,12 @@ impl Benchmark {
     }
 
     fn describe_target(&self, run: &[Benchmark]) -> String {
+        if let Some(max) = self.target.max {
+            return format!("max ≤ {max}{}", self.unit);
+        }
+        if let Some(other) = &self.target.p50_at_most_of {
+            return format!("p50 ≤ p50({other}) unless it did not finish");
+        }
         match (&self.target.p50_max, &self.target.p99_max) {
             (Some(max), _) => format!("p50 ≤ {max}{}", self.unit),
             (None, Some(rel)) if rel.of.is_empty() => format!("p99 ≤ {}{}", rel.plus, self.unit),
@@ -218,7 +258,7 @@ pub fn render(dir: &Path) -> anyhow::Result<String> {
                 continue;
             }
             let met = match b.miss(&results.benchmarks) {
-                None if b.target.p50_max.is_none() && b.target.p99_max.is_none() => "–",
+                None if b.target.is_none() => "–",
                 None => "yes",
                 Some(_) => "**no**",
             };
@@ -347,7 +387,7 @@ mod tests {
                 secondary: vec![],
                 target: Target {
                     p50_max: Some(1.0),
-                    p99_max: None,
+                    ..Target::none()
                 },
                 flags: serde_json::json!({}),
             }],
@@ -377,11 +417,11 @@ mod tests {
     #[test]
     fn relative_targets() {
         let rel = |plus| Target {
-            p50_max: None,
             p99_max: Some(RelativeTarget {
                 of: vec!["fsync".into(), "fallocate".into()],
                 plus,
             }),
+            ..Target::none()
         };
         let run = vec![
             bench("fsync", vec![1.0, 2.0], Target::none()),
@@ -396,17 +436,54 @@ mod tests {
             "x",
             vec![1.0],
             Target {
-                p50_max: None,
                 p99_max: Some(RelativeTarget {
                     of: vec!["absent".into()],
                     plus: 0.0,
                 }),
+                ..Target::none()
             },
         )];
         assert_eq!(
             missing[0].miss(&missing),
             None,
             "an absent base is an infinite limit"
+        );
+    }
+
+    #[test]
+    fn max_and_no_slower_than_targets() {
+        let zero = || Target {
+            max: Some(0.0),
+            ..Target::none()
+        };
+        let no_slower = || Target {
+            p50_at_most_of: Some("a".into()),
+            ..Target::none()
+        };
+        let mut a = bench("a", vec![10.0], Target::none());
+        let run = vec![
+            bench("zero", vec![0.0, 0.0], zero()),
+            bench("one", vec![0.0, 1.0], zero()),
+            bench("faster", vec![9.0], no_slower()),
+            bench("slower", vec![11.0], no_slower()),
+        ];
+        let mut with_a = vec![bench("a", vec![10.0], Target::none())];
+        with_a.extend(run);
+        assert_eq!(with_a[1].miss(&with_a), None);
+        assert!(with_a[2].miss(&with_a).is_some_and(|m| m.contains("max 1")));
+        assert_eq!(with_a[3].miss(&with_a), None);
+        assert!(
+            with_a[4]
+                .miss(&with_a)
+                .is_some_and(|m| m.contains("p50(a)"))
+        );
+        // (a) did not finish: (b) cannot be slower than it.
+        a.flags = serde_json::json!({"finished": false});
+        with_a[0] = a;
+        assert_eq!(with_a[4].miss(&with_a), None);
+        assert_eq!(
+            with_a[4].describe_target(&with_a),
+            "p50 ≤ p50(a) unless it did not finish"
         );
     }
 }

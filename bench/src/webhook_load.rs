@@ -96,6 +96,7 @@ fn p99_at_most(ms: f64) -> Target {
             of: vec![],
             plus: ms,
         }),
+        ..Target::none()
     }
 }
 

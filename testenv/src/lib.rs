@@ -6,6 +6,7 @@
 pub mod audit;
 pub mod control_plane;
 pub mod http_client;
+pub mod json_log;
 pub mod kubeconfig;
 pub mod kubelet;
 pub mod leftovers;

@@ -13,9 +13,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 use kube::Api;
-use serde_json::Value;
-use testenv::TestEnv;
 use testenv::wait::until;
+use testenv::{TestEnv, json_log};
 use tokio::signal::unix::{SignalKind, signal};
 
 const NAMESPACE: &str = "demo";
@@ -223,7 +222,8 @@ async fn narrate_pod(
     .await?;
     let pod_key = format!("{NAMESPACE}/{name}");
     let decision = until("the extender's decision in its log", WAIT, || async {
-        extender_decision(&env.dir().join("logs/extender.log"), &pod_key)
+        json_log::extender_decision(&env.dir().join("logs/extender.log"), &pod_key)
+            .map(|(node, details)| format!("chose {node} from {details}"))
             .ok_or_else(|| "no filter line yet".to_string())
     })
     .await?;
@@ -259,7 +259,7 @@ async fn narrate_pod(
         );
         let log = env.dir().join(format!("logs/{pinned}-pmem-csi.log"));
         let (size, elapsed) = until("CreateVolume in the driver's log", WAIT, || async {
-            create_volume_in_log(&log, &pv_name).ok_or_else(|| "not logged yet".to_string())
+            json_log::create_volume_of(&log, &pv_name).ok_or_else(|| "not logged yet".to_string())
         })
         .await?;
         n.say(
@@ -325,74 +325,6 @@ fn pinned_node(pv: &PersistentVolume, driver: &str) -> Option<String> {
         .and_then(|e| e.values.as_ref()?.first().cloned())
 }
 
-/// JSON log lines of `path` (the supervisor's own lines are not JSON).
-fn json_lines(path: &Path) -> Vec<Value> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
-}
-
-/// Field `name` of a JSON log line: our `--log-format=json` flattens fields into the line.
-fn field<'a>(line: &'a Value, name: &str) -> Option<&'a str> {
-    line.get(name)?.as_str()
-}
-
-/// The extender's last filter decision for `pod` that passed nodes: "<nodes> (<details>)".
-fn extender_decision(log: &Path, pod: &str) -> Option<String> {
-    json_lines(log)
-        .iter()
-        .rev()
-        .filter(|l| field(l, "message") == Some("filter") && field(l, "pod") == Some(pod))
-        .find(|l| l.get("passed").and_then(Value::as_u64) > Some(0))
-        .map(|l| {
-            let nodes = field(l, "nodes").unwrap_or_default();
-            let details = field(l, "details").unwrap_or_default();
-            format!("chose {} from {details}", first_node(nodes))
-        })
-}
-
-/// The first name of a Debug-printed `Some(["node-2", …])`.
-fn first_node(nodes: &str) -> String {
-    nodes
-        .split('"')
-        .nth(1)
-        .map_or_else(|| nodes.to_string(), str::to_string)
-}
-
-/// `(size, duration)` of the CreateVolume that created volume `name`, from the driver's log:
-/// its "volume created" line and the rpc line that follows it.
-fn create_volume_in_log(log: &Path, name: &str) -> Option<(u64, Duration)> {
-    let lines = json_lines(log);
-    let created = lines.iter().position(|l| {
-        field(l, "message") == Some("volume created") && field(l, "name") == Some(name)
-    })?;
-    let size = lines[created]
-        .get("size")
-        .and_then(Value::as_u64)
-        .unwrap_or_default();
-    let rpc = lines[created..].iter().find(|l| {
-        field(l, "message") == Some("rpc")
-            && field(l, "method").is_some_and(|m| m.ends_with("CreateVolume"))
-    })?;
-    Some((size, parse_debug_duration(field(rpc, "elapsed")?)?))
-}
-
-/// A `Duration`'s Debug form (`1.5s`, `12.3ms`, `812µs`, `40ns`).
-fn parse_debug_duration(text: &str) -> Option<Duration> {
-    let (number, unit) = text.split_at(text.find(|c: char| c.is_alphabetic() || c == 'µ')?);
-    let value: f64 = number.parse().ok()?;
-    let seconds = match unit {
-        "s" => value,
-        "ms" => value / 1e3,
-        "µs" | "us" => value / 1e6,
-        "ns" => value / 1e9,
-        _ => return None,
-    };
-    Some(Duration::from_secs_f64(seconds))
-}
-
 /// `(count, sum)` of the successful CreateVolume calls in a driver's metrics.
 fn create_volume_histogram(text: &str) -> (u64, f64) {
     let pick = |suffix: &str| {
@@ -447,24 +379,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn debug_durations() {
-        for (text, want) in [
-            ("1.5s", Some(1.5)),
-            ("12.25ms", Some(0.01225)),
-            ("812µs", Some(0.000812)),
-            ("40ns", Some(0.00000004)),
-            ("3m", None),
-            ("ms", None),
-        ] {
-            assert_eq!(
-                parse_debug_duration(text).map(|d| (d.as_secs_f64() * 1e9).round()),
-                want.map(|w: f64| (w * 1e9).round()),
-                "{text}"
-            );
-        }
-    }
-
-    #[test]
     fn histogram_sums_ok_create_volume_only() {
         let text = "\
 csi_plugin_operations_seconds_sum{driver_name=\"d\",method_name=\"/csi.v1.Controller/CreateVolume\",grpc_status_code=\"OK\"} 0.5
@@ -473,11 +387,5 @@ csi_plugin_operations_seconds_count{driver_name=\"d\",method_name=\"/csi.v1.Cont
 csi_plugin_operations_seconds_count{driver_name=\"d\",method_name=\"/csi.v1.Node/NodeStageVolume\",grpc_status_code=\"OK\"} 3
 ";
         assert_eq!(create_volume_histogram(text), (2, 0.5));
-    }
-
-    #[test]
-    fn first_node_of_debug_list() {
-        assert_eq!(first_node("Some([\"node-2\"])"), "node-2");
-        assert_eq!(first_node("None"), "None");
     }
 }

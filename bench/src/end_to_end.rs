@@ -1,0 +1,589 @@
+//! End-to-end benchmarks on testenv with every piece running (drivers and provisioners, the
+//! controller with its webhook, the extender beside kube-scheduler, the simulated kubelet):
+//!
+//! - **pod start-up**: a burst of pods with one claim each on 10 nodes, against the same burst of
+//!   pods without volumes: the whole burst's time, claim created → bound, and each stage
+//!   (created → selected-node, CreateVolume, selected-node → PV created, PV created → bound,
+//!   bound → Running), observed by watches as they happen;
+//! - **storage-bound A/B**: 10 nodes of 1 GiB, 190 pods of 50 MiB (every node holds exactly 19),
+//!   (a) capacity tracking alone (no webhook, no extender) against (b) webhook + extender; each
+//!   arm stopped at a deadline.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
+use kube::Api;
+use kube::runtime::{WatchStreamExt, watcher};
+use testenv::node_processes::DriverOptions;
+use testenv::{NodeSpec, SchedulerConfig, TestEnv, TestEnvBuilder};
+use tokio_util::sync::CancellationToken;
+
+use crate::report::{Benchmark, Target};
+
+const CLASS_NO_ERASE: &str = "pmem-csi-sc-ext4-no-erase";
+const SELECTED: &str = "volume.kubernetes.io/selected-node";
+
+/// Sizes of a run.
+#[derive(Clone, Debug)]
+pub struct Scale {
+    /// Nodes of the start-up benchmark.
+    pub startup_nodes: usize,
+    /// Pods of the start-up benchmark.
+    pub startup_pods: usize,
+    /// Nodes of the storage-bound benchmark.
+    pub bound_nodes: usize,
+    /// Pods per node that exactly fill a node of the storage-bound benchmark.
+    pub bound_pods_per_node: usize,
+    /// How long an arm of the storage-bound benchmark may take.
+    pub arm_deadline: Duration,
+}
+
+impl Scale {
+    /// What `just bench` runs.
+    pub fn full() -> Self {
+        Self {
+            startup_nodes: 10,
+            startup_pods: 100,
+            bound_nodes: 10,
+            bound_pods_per_node: 19,
+            arm_deadline: Duration::from_secs(15 * 60),
+        }
+    }
+
+    /// What `just test` smoke-runs.
+    pub fn smoke() -> Self {
+        Self {
+            startup_nodes: 2,
+            startup_pods: 4,
+            bound_nodes: 2,
+            bound_pods_per_node: 2,
+            arm_deadline: Duration::from_secs(180),
+        }
+    }
+}
+
+/// Volume size of the storage-bound benchmark; the driver aligns it to 4 MiB (52 MiB), so 19
+/// fill 1 GiB (988 MiB) and a 20th does not fit.
+const BOUND_VOLUME: &str = "50Mi";
+const BOUND_ALIGNED_MIB: usize = 52;
+
+/// When each thing was first seen, per claim or pod name.
+#[derive(Default)]
+struct Timeline {
+    created: HashMap<String, Instant>,
+    selected: HashMap<String, Instant>,
+    pv_created: HashMap<String, Instant>,
+    bound: HashMap<String, Instant>,
+    running: HashMap<String, Instant>,
+}
+
+type Shared = Arc<Mutex<Timeline>>;
+
+fn lock(t: &Shared) -> std::sync::MutexGuard<'_, Timeline> {
+    t.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Watches claims, PVs and pods of `namespace`, recording first sightings into `timeline`.
+fn observe(client: &kube::Client, namespace: &str, timeline: &Shared, stop: &CancellationToken) {
+    let claims = Api::<PersistentVolumeClaim>::namespaced(client.clone(), namespace);
+    let pods = Api::<Pod>::namespaced(client.clone(), namespace);
+    let pvs = Api::<PersistentVolume>::all(client.clone());
+    let ns = namespace.to_string();
+    let t = timeline.clone();
+    let s = stop.clone();
+    tokio::spawn(async move {
+        let mut events = watcher::watcher(claims, watcher::Config::default())
+            .applied_objects()
+            .boxed();
+        loop {
+            let claim = tokio::select! {
+                _ = s.cancelled() => return,
+                c = events.next() => c,
+            };
+            let Some(Ok(claim)) = claim else {
+                continue;
+            };
+            let now = Instant::now();
+            let name = claim.metadata.name.clone().unwrap_or_default();
+            let mut t = lock(&t);
+            if claim
+                .metadata
+                .annotations
+                .as_ref()
+                .is_some_and(|a| a.contains_key(SELECTED))
+            {
+                t.selected.entry(name.clone()).or_insert(now);
+            }
+            if claim.status.and_then(|s| s.phase).as_deref() == Some("Bound") {
+                t.bound.entry(name).or_insert(now);
+            }
+        }
+    });
+    let t = timeline.clone();
+    let s = stop.clone();
+    tokio::spawn(async move {
+        let mut events = watcher::watcher(pvs, watcher::Config::default())
+            .applied_objects()
+            .boxed();
+        loop {
+            let pv = tokio::select! {
+                _ = s.cancelled() => return,
+                p = events.next() => p,
+            };
+            let Some(Ok(pv)) = pv else {
+                continue;
+            };
+            let Some(claim) = pv.spec.and_then(|s| s.claim_ref) else {
+                continue;
+            };
+            if claim.namespace.as_deref() == Some(ns.as_str()) {
+                lock(&t)
+                    .pv_created
+                    .entry(claim.name.unwrap_or_default())
+                    .or_insert_with(Instant::now);
+            }
+        }
+    });
+    let t = timeline.clone();
+    let s = stop.clone();
+    tokio::spawn(async move {
+        let mut events = watcher::watcher(pods, watcher::Config::default())
+            .applied_objects()
+            .boxed();
+        loop {
+            let pod = tokio::select! {
+                _ = s.cancelled() => return,
+                p = events.next() => p,
+            };
+            let Some(Ok(pod)) = pod else {
+                continue;
+            };
+            if pod.status.and_then(|s| s.phase).as_deref() == Some("Running") {
+                lock(&t)
+                    .running
+                    .entry(pod.metadata.name.unwrap_or_default())
+                    .or_insert_with(Instant::now);
+            }
+        }
+    });
+}
+
+/// Creates `pods` pods (each with a claim of `size` when given) in one burst, 20 requests in
+/// flight, recording when each claim was created; then waits until all run or `deadline`.
+/// Returns the burst's duration and whether every pod runs.
+async fn burst(
+    client: &kube::Client,
+    namespace: &str,
+    pods: usize,
+    size: Option<&str>,
+    timeline: &Shared,
+    deadline: Duration,
+) -> anyhow::Result<(Duration, bool)> {
+    let start = Instant::now();
+    let claims = Api::<PersistentVolumeClaim>::namespaced(client.clone(), namespace);
+    let pod_api = Api::<Pod>::namespaced(client.clone(), namespace);
+    futures::stream::iter((0..pods).map(|i| {
+        let (claims, pod_api, timeline) = (claims.clone(), pod_api.clone(), timeline.clone());
+        async move {
+            let name = format!("p{i}");
+            let pod = match size {
+                Some(size) => {
+                    claims
+                        .create(
+                            &Default::default(),
+                            &testenv::objects::claim(namespace, &name, CLASS_NO_ERASE, size),
+                        )
+                        .await?;
+                    lock(&timeline).created.insert(name.clone(), Instant::now());
+                    testenv::objects::pod_with_claim(namespace, &name, &name)
+                }
+                None => {
+                    let mut pod = testenv::objects::pod_with_claim(namespace, &name, "none");
+                    if let Some(spec) = pod.spec.as_mut() {
+                        spec.volumes = None;
+                    }
+                    lock(&timeline).created.insert(name.clone(), Instant::now());
+                    pod
+                }
+            };
+            pod_api.create(&Default::default(), &pod).await?;
+            anyhow::Ok(())
+        }
+    }))
+    .buffer_unordered(20)
+    .try_collect::<Vec<()>>()
+    .await
+    .context("creating the burst")?;
+    let all = testenv::wait::until("every pod to run", deadline, || async {
+        let n = lock(timeline).running.len();
+        if n >= pods {
+            Ok(())
+        } else {
+            Err(format!("{n} of {pods} running"))
+        }
+    })
+    .await
+    .is_ok();
+    Ok((start.elapsed(), all))
+}
+
+fn seconds_between(from: &HashMap<String, Instant>, to: &HashMap<String, Instant>) -> Vec<f64> {
+    from.iter()
+        .filter_map(|(name, a)| Some(to.get(name)?.saturating_duration_since(*a).as_secs_f64()))
+        .collect()
+}
+
+fn full_stack(nodes: Vec<NodeSpec>, bind_timeout: u64) -> TestEnvBuilder {
+    let mut builder = TestEnv::builder();
+    for node in nodes {
+        builder = builder.node(node);
+    }
+    builder
+        .drivers(DriverOptions {
+            extra_args: vec!["--log-format=json".into()],
+            ..Default::default()
+        })
+        .scheduler(SchedulerConfig::default().bind_timeout_seconds(bind_timeout))
+        .kubelet()
+}
+
+/// The client-side QPS/burst of every component, as configured or defaulted, for the flags.
+fn qps_flags(env: &TestEnv) -> serde_json::Value {
+    let rendered = |which| {
+        env.manifests()
+            .launch(which)
+            .map(|l| {
+                l.args
+                    .into_iter()
+                    .filter(|a| a.contains("qps") || a.contains("burst"))
+                    .collect::<Vec<_>>()
+            })
+            .unwrap_or_default()
+    };
+    use testenv::manifests::OurContainer;
+    serde_json::json!({
+        "pmem-csi node": or_default(rendered(OurContainer::NodeDriver), "--kube-api-qps=5 --kube-api-burst=10 (defaults)"),
+        "csi-provisioner": or_default(rendered(OurContainer::Provisioner), "--kube-api-qps=5 --kube-api-burst=10 (defaults)"),
+        "pmem-csi controller": or_default(rendered(OurContainer::Controller), "--kube-api-qps=20 --kube-api-burst=40 (defaults)"),
+        "pmem-csi extender": "watches only (kube-rs, no client-side limit)",
+        "kube-scheduler": "clientConnection qps 50, burst 100 (KubeSchedulerConfiguration defaults)",
+        "kube-controller-manager": "--kube-api-qps=20 --kube-api-burst=30 (defaults)",
+        "kube-apiserver": "--max-requests-inflight=400 --max-mutating-requests-inflight=200 (defaults)",
+        "simulated kubelet": "admin client, no limit",
+        "benchmark client": "20 creates in flight",
+    })
+}
+
+fn or_default(args: Vec<String>, default: &str) -> serde_json::Value {
+    if args.is_empty() {
+        default.into()
+    } else {
+        args.join(" ").into()
+    }
+}
+
+/// CreateVolume calls that ended in ResourceExhausted, summed over the drivers' metrics.
+async fn exhausted_creates(env: &TestEnv) -> u64 {
+    let mut total = 0.0;
+    for node in env.nodes() {
+        if let Some(port) = env.driver_admin_port(&node.name) {
+            let text = testenv::objects::scrape_metrics(port).await;
+            total += text
+                .lines()
+                .filter(|l| {
+                    l.starts_with("csi_plugin_operations_seconds_count")
+                        && l.contains("CreateVolume")
+                        && l.contains("ResourceExhausted")
+                })
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .fold(0.0, |a, b| a + b);
+        }
+    }
+    total as u64
+}
+
+async fn stop(env: TestEnv) -> anyhow::Result<()> {
+    let leftovers = env.stop().await;
+    let remaining = leftovers.wait_clean(Duration::from_secs(30)).await;
+    anyhow::ensure!(remaining.is_empty(), "left behind: {remaining:?}");
+    Ok(())
+}
+
+/// The pod start-up benchmark: with claims, then without volumes, on the same testenv.
+pub async fn pod_startup(scale: &Scale) -> anyhow::Result<Vec<Benchmark>> {
+    let nodes = (1..=scale.startup_nodes)
+        .map(|i| NodeSpec::with_driver(format!("node-{i}")))
+        .collect();
+    let env = full_stack(nodes, 600)
+        .extender(Vec::<String>::new())
+        .controller(Vec::<String>::new())
+        .start()
+        .await
+        .context("starting testenv")?;
+    let client = env.client().await?;
+    let size = "16Mi";
+    let mut out = Vec::new();
+    let mut totals = Vec::new();
+    for with_claims in [true, false] {
+        let ns = testenv::test_namespace(&client, "startup").await?;
+        let timeline = Shared::default();
+        let watching = CancellationToken::new();
+        observe(&client, &ns, &timeline, &watching);
+        // The watches list before the burst starts, so no first sighting is late.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let (took, all) = burst(
+            &client,
+            &ns,
+            scale.startup_pods,
+            with_claims.then_some(size),
+            &timeline,
+            Duration::from_secs(600),
+        )
+        .await?;
+        watching.cancel();
+        anyhow::ensure!(all, "not every pod of the burst ran within 10 minutes");
+        totals.push(took.as_secs_f64());
+        let t = lock(&timeline);
+        if with_claims {
+            let stages = [
+                (
+                    "startup-claim-created-to-bound",
+                    "claim created → Bound, per claim of the burst",
+                    seconds_between(&t.created, &t.bound),
+                ),
+                (
+                    "startup-stage-selected-node",
+                    "claim created → selected-node set (webhook, scheduler with the extender's filter), per claim",
+                    seconds_between(&t.created, &t.selected),
+                ),
+                (
+                    "startup-stage-pv-created",
+                    "selected-node → PV created (external-provisioner and CreateVolume on the node), per claim",
+                    seconds_between(&t.selected, &t.pv_created),
+                ),
+                (
+                    "startup-stage-bound",
+                    "PV created → claim Bound (kube-controller-manager's PV binder), per claim",
+                    seconds_between(&t.pv_created, &t.bound),
+                ),
+                (
+                    "startup-stage-running",
+                    "claim Bound → pod Running (scheduler's bind, kubelet's NodeStage and NodePublish), per pod",
+                    seconds_between(&t.bound, &t.running),
+                ),
+            ];
+            for (name, description, samples) in stages {
+                out.push(Benchmark {
+                    name: name.into(),
+                    description: format!(
+                        "{description}; {} pods on {} nodes in one burst",
+                        scale.startup_pods, scale.startup_nodes
+                    ),
+                    unit: "s".into(),
+                    samples,
+                    secondary: Vec::new(),
+                    target: Target::none(),
+                    flags: qps_flags(&env),
+                });
+            }
+        } else {
+            out.push(Benchmark {
+                name: "startup-pod-without-volumes-created-to-running".into(),
+                description: format!(
+                    "pod created → Running without volumes, per pod; {} pods on {} nodes in one burst",
+                    scale.startup_pods, scale.startup_nodes
+                ),
+                unit: "s".into(),
+                samples: seconds_between(&t.created, &t.running),
+                secondary: Vec::new(),
+                target: Target::none(),
+                flags: qps_flags(&env),
+            });
+        }
+    }
+    let create_volume: Vec<f64> = env
+        .nodes()
+        .iter()
+        .flat_map(|n| {
+            testenv::json_log::rpc_durations(
+                &env.dir().join(format!("logs/{}-pmem-csi.log", n.name)),
+                "CreateVolume",
+            )
+        })
+        .map(|d| d.as_secs_f64())
+        .collect();
+    out.push(Benchmark {
+        name: "startup-stage-create-volume".into(),
+        description: format!(
+            "CreateVolume in the node driver (its own log), per claim of the burst ({size}, ext4 class without erase)"
+        ),
+        unit: "s".into(),
+        samples: create_volume,
+        secondary: Vec::new(),
+        target: Target::none(),
+        flags: qps_flags(&env),
+    });
+    out.push(Benchmark {
+        name: "startup-burst-total".into(),
+        description: format!(
+            "first create → every pod Running for {} pods with one {size} claim each on {} nodes; secondary: the same pods without volumes",
+            scale.startup_pods, scale.startup_nodes
+        ),
+        unit: "s".into(),
+        samples: vec![totals[0]],
+        secondary: vec![totals[1]],
+        target: Target::none(),
+        flags: qps_flags(&env),
+    });
+    stop(env).await?;
+    Ok(out)
+}
+
+/// One arm of the storage-bound benchmark.
+struct Arm {
+    took: Duration,
+    running: usize,
+    finished: bool,
+    exhausted: u64,
+    provisioning_failed: usize,
+    expired: u64,
+    flags: serde_json::Value,
+}
+
+async fn storage_bound_arm(scale: &Scale, with_extender: bool) -> anyhow::Result<Arm> {
+    let budget = format!(
+        "{}Mi",
+        1024.min(BOUND_ALIGNED_MIB * scale.bound_pods_per_node + 36)
+    );
+    let nodes = (1..=scale.bound_nodes)
+        .map(|i| NodeSpec::with_driver(format!("node-{i}")).budget(budget.clone()))
+        .collect();
+    let builder = full_stack(nodes, 600);
+    let builder = if with_extender {
+        builder
+            .extender(Vec::<String>::new())
+            .controller(Vec::<String>::new())
+    } else {
+        builder.controller(["!--webhook-address"])
+    };
+    let env = builder.start().await.context("starting testenv")?;
+    let client = env.client().await?;
+    let ns = testenv::test_namespace(&client, "bound").await?;
+    let pods = scale.bound_nodes * scale.bound_pods_per_node;
+    let timeline = Shared::default();
+    let watching = CancellationToken::new();
+    observe(&client, &ns, &timeline, &watching);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (took, finished) = burst(
+        &client,
+        &ns,
+        pods,
+        Some(BOUND_VOLUME),
+        &timeline,
+        scale.arm_deadline,
+    )
+    .await?;
+    watching.cancel();
+    let running = lock(&timeline).running.len();
+    let exhausted = exhausted_creates(&env).await;
+    let events = Api::<k8s_openapi::api::core::v1::Event>::namespaced(client.clone(), &ns)
+        .list(&kube::api::ListParams::default().fields("reason=ProvisioningFailed"))
+        .await?;
+    let expired = match env.extender_addresses() {
+        Some((_, admin)) => {
+            let text = testenv::objects::scrape_metrics(admin.port()).await;
+            text.lines()
+                .filter(|l| l.contains("reservation") && l.contains("expired"))
+                .filter(|l| !l.starts_with('#'))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .fold(0.0, |a, b| a + b) as u64
+        }
+        None => 0,
+    };
+    let flags = serde_json::json!({
+        "nodes": scale.bound_nodes,
+        "budget per node": budget,
+        "pods": pods,
+        "volume": BOUND_VOLUME,
+        "class": CLASS_NO_ERASE,
+        "bindTimeoutSeconds": 600,
+        "deadline_s": scale.arm_deadline.as_secs(),
+        "finished": finished,
+        "running": running,
+        "resource_exhausted_creates": exhausted,
+        "provisioning_failed_events": events.items.len(),
+        "expired_reservations": expired,
+        "qps": qps_flags(&env),
+    });
+    stop(env).await?;
+    Ok(Arm {
+        took,
+        running,
+        finished,
+        exhausted,
+        provisioning_failed: events.items.len(),
+        expired,
+        flags,
+    })
+}
+
+/// The storage-bound A/B benchmark.
+pub async fn storage_bound(scale: &Scale) -> anyhow::Result<Vec<Benchmark>> {
+    let pods = scale.bound_nodes * scale.bound_pods_per_node;
+    let a = storage_bound_arm(scale, false).await?;
+    let b = storage_bound_arm(scale, true).await?;
+    let a_name = "storage-bound-capacity-tracking";
+    let setting = format!(
+        "{pods} pods with one {BOUND_VOLUME} claim each on {} nodes that hold exactly {} each",
+        scale.bound_nodes, scale.bound_pods_per_node
+    );
+    Ok(vec![
+        Benchmark {
+            name: a_name.into(),
+            description: format!(
+                "(a) capacity tracking alone (no webhook, no extender): first create → every pod Running, or the deadline; {setting}; secondary: ResourceExhausted CreateVolume results ({} running, {} ProvisioningFailed events)",
+                a.running, a.provisioning_failed
+            ),
+            unit: "s".into(),
+            samples: vec![a.took.as_secs_f64()],
+            secondary: vec![a.exhausted as f64],
+            target: Target::none(),
+            flags: a.flags,
+        },
+        Benchmark {
+            name: "storage-bound-extender".into(),
+            description: format!(
+                "(b) webhook + extender: first create → every pod Running; {setting}; no slower than (a) unless (a) did not finish"
+            ),
+            unit: "s".into(),
+            samples: vec![b.took.as_secs_f64()],
+            secondary: Vec::new(),
+            target: Target {
+                p50_at_most_of: Some(a_name.into()),
+                ..Target::none()
+            },
+            flags: b.flags.clone(),
+        },
+        Benchmark {
+            name: "storage-bound-extender-failures".into(),
+            description: format!(
+                "(b) pods not Running + ResourceExhausted CreateVolume results + expired reservations (must all be 0): {} not running, {} exhausted, {} expired",
+                pods - b.running.min(pods),
+                b.exhausted,
+                b.expired
+            ),
+            unit: "".into(),
+            samples: vec![((pods - b.running.min(pods)) as u64 + b.exhausted + b.expired) as f64],
+            secondary: Vec::new(),
+            target: Target {
+                max: Some(0.0),
+                ..Target::none()
+            },
+            flags: serde_json::json!({"finished": b.finished}),
+        },
+    ])
+}
