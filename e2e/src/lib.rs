@@ -158,6 +158,7 @@ impl Cluster {
             pods: Api::namespaced(self.client.clone(), &namespace),
             namespace,
             full,
+            finished: false,
         })
     }
 }
@@ -174,6 +175,50 @@ pub struct Scenario {
     pub pods: Api<Pod>,
     /// Capacity per node before the scenario.
     pub full: BTreeMap<String, i64>,
+    finished: bool,
+}
+
+impl Drop for Scenario {
+    /// A scenario that failed before [`Scenario::finish`] still removes its namespace (and
+    /// so its pods, claims and volumes) before the next scenario's leak check: one failure
+    /// must not fail every scenario after it.
+    fn drop(&mut self) {
+        if self.finished {
+            return;
+        }
+        let namespace = self.namespace.clone();
+        let kubeconfig = self.cluster.env.map(TestEnv::admin_kubeconfig);
+        // The test's runtime is unwinding; a thread with its own runtime and client cleans up.
+        let cleanup = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string())?;
+            runtime.block_on(async {
+                let client = match kubeconfig {
+                    Some(path) => testenv::control_plane::client_from(&path, "admin")
+                        .await
+                        .map_err(|e| e.to_string())?,
+                    None => kube::Client::try_default()
+                        .await
+                        .map_err(|e| e.to_string())?,
+                };
+                let namespaces = Api::<Namespace>::all(client);
+                namespaces
+                    .delete(&namespace, &DeleteParams::default())
+                    .await
+                    .map_err(|e| e.to_string())?;
+                testenv::objects::wait_gone(&namespaces, &namespace, WAIT)
+                    .await
+                    .map_err(|e| e.to_string())
+            })
+        });
+        match cleanup.join() {
+            Ok(Ok(())) => eprintln!("scenario failed; namespace {} removed", self.namespace),
+            Ok(Err(e)) => eprintln!("scenario failed; removing {}: {e}", self.namespace),
+            Err(_) => eprintln!("scenario failed; removing {} panicked", self.namespace),
+        }
+    }
 }
 
 impl Scenario {
@@ -340,7 +385,8 @@ impl Scenario {
     }
 
     /// [`Scenario::finish`], except that the volumes `kept` (ids, on testenv) may remain.
-    pub async fn finish_keeping(self, kept: &[String]) -> Result<(), E2eError> {
+    pub async fn finish_keeping(mut self, kept: &[String]) -> Result<(), E2eError> {
+        self.finished = true;
         let namespaces = Api::<Namespace>::all(self.cluster.client.clone());
         namespaces
             .delete(&self.namespace, &DeleteParams::default())
