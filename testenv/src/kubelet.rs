@@ -280,6 +280,40 @@ pub fn pod_volumes(
     Ok(out)
 }
 
+/// Which pods use each staged volume of a node: kubelet stages a volume once however many
+/// pods use it, and unstages it after the last one is gone.
+#[derive(Debug, Default)]
+pub struct StageUsers {
+    users: HashMap<(String, String), std::collections::BTreeSet<String>>,
+}
+
+impl StageUsers {
+    /// Records that pod `uid` uses `volume` staged on `node`; true the first time this pod
+    /// does (repeating it changes nothing).
+    pub fn add(&mut self, node: &str, volume: &str, uid: &str) -> bool {
+        self.users
+            .entry((node.to_string(), volume.to_string()))
+            .or_default()
+            .insert(uid.to_string())
+    }
+
+    /// Pod `uid` no longer uses `volume` on `node`; true when no pod does any more (time to
+    /// unstage).
+    pub fn remove(&mut self, node: &str, volume: &str, uid: &str) -> bool {
+        let key = (node.to_string(), volume.to_string());
+        let Some(users) = self.users.get_mut(&key) else {
+            return true;
+        };
+        users.remove(uid);
+        if users.is_empty() {
+            self.users.remove(&key);
+            true
+        } else {
+            false
+        }
+    }
+}
+
 /// A node the kubelet serves.
 #[derive(Clone, Debug)]
 pub struct KubeletNode {
@@ -306,17 +340,23 @@ pub struct Mounted {
 
 #[derive(Default)]
 struct PodState {
+    node: String,
     setup: Option<CancellationToken>,
     setup_task: Option<tokio::task::JoinHandle<()>>,
     tearing_down: bool,
+    /// Volumes set up, with timings (for callers).
     mounted: Vec<Mounted>,
+    /// Volumes NodePublish was tried for: all are unpublished on teardown (idempotent), also
+    /// those whose publish failed half-way.
+    attempted: Vec<PodVolume>,
+    /// Volumes staged for this pod (the pod is among their [`StageUsers`]).
+    staged: Vec<PodVolume>,
 }
 
 #[derive(Default)]
 struct Shared {
     pods: HashMap<String, PodState>,
-    /// Pods using each staged (node, volume id).
-    staged: HashMap<(String, String), usize>,
+    staged: StageUsers,
 }
 
 /// The simulated kubelet of a set of nodes (see the module documentation).
@@ -402,16 +442,9 @@ impl Kubelet {
                 if let Some(task) = task {
                     let _ = task.await;
                 }
-                let mounted = self
-                    .lock()
-                    .pods
-                    .get_mut(&uid)
-                    .map(|p| std::mem::take(&mut p.mounted))
-                    .unwrap_or_default();
-                for m in mounted.iter().rev() {
-                    if let Some(node) = self.nodes.get(&m.node) {
-                        self.unmount(node, m, &uid).await;
-                    }
+                let node = self.lock().pods.get(&uid).map(|p| p.node.clone());
+                if let Some(node) = node.and_then(|n| self.nodes.get(&n)) {
+                    self.release_volumes(node, &uid, &uid).await;
                 }
             }
         };
@@ -465,6 +498,7 @@ impl Kubelet {
         let deleting = gone || pod.metadata.deletion_timestamp.is_some();
         let mut shared = self.lock();
         let state = shared.pods.entry(uid.clone()).or_default();
+        state.node.clone_from(&node.name);
         if deleting {
             if state.tearing_down {
                 return;
@@ -493,6 +527,10 @@ impl Kubelet {
             return;
         };
         for volume in volumes {
+            match self.lock().pods.get_mut(&uid) {
+                Some(state) => state.attempted.push(volume.clone()),
+                None => return,
+            }
             let what = format!(
                 "mounting {} of {namespace}/{name} on {}",
                 volume.name, node.name
@@ -573,11 +611,13 @@ impl Kubelet {
             .await
             .map_err(|e| format!("NodeStageVolume {}: {e}", volume.volume_id))?;
             staged_in = Some(start.elapsed());
-            *self
-                .lock()
-                .staged
-                .entry((node.name.clone(), volume.volume_id.clone()))
-                .or_default() += 1;
+            let mut shared = self.lock();
+            let Shared { pods, staged } = &mut *shared;
+            if let Some(state) = pods.get_mut(uid)
+                && staged.add(&node.name, &volume.volume_id, uid)
+            {
+                state.staged.push(volume.clone());
+            }
         }
         if let Some(parent) = volume.target.parent() {
             create_dir(parent)?;
@@ -599,10 +639,7 @@ impl Kubelet {
             })
             .await;
         if let Err(e) = published {
-            // Undo the stage count; the retry stages again (NodeStage is idempotent).
-            if volume.staging.is_some() {
-                self.release_stage(&node.name, &volume.volume_id);
-            }
+            // Still staged and counted: the retry stages again (idempotent), teardown unstages.
             return Err(format!("NodePublishVolume {}: {e}", volume.volume_id));
         }
         tracing::debug!(pod = %uid, volume = %volume.name, "kubelet: published");
@@ -612,22 +649,6 @@ impl Kubelet {
             staged_in,
             published_in: start.elapsed(),
         })
-    }
-
-    /// Decrements the stage count of (node, volume id); true when no pod uses it any more.
-    fn release_stage(&self, node: &str, volume_id: &str) -> bool {
-        let mut shared = self.lock();
-        let key = (node.to_string(), volume_id.to_string());
-        match shared.staged.get_mut(&key) {
-            Some(n) if *n > 1 => {
-                *n -= 1;
-                false
-            }
-            _ => {
-                shared.staged.remove(&key);
-                true
-            }
-        }
     }
 
     async fn report_running(&self, pod: &Pod, namespace: &str, name: &str) -> kube::Result<()> {
@@ -688,15 +709,8 @@ impl Kubelet {
         if let Some(task) = setup {
             let _ = task.await;
         }
-        let mounted = self
-            .lock()
-            .pods
-            .get_mut(&uid)
-            .map(|p| std::mem::take(&mut p.mounted))
-            .unwrap_or_default();
-        for m in mounted.iter().rev() {
-            self.unmount(&node, m, &name).await;
-        }
+        self.release_volumes(&node, &uid, &format!("{namespace}/{name}"))
+            .await;
         let _ = std::fs::remove_dir_all(node.dirs.pod(&uid));
         if delete_object {
             let params = DeleteParams {
@@ -716,56 +730,76 @@ impl Kubelet {
         tracing::info!(pod = %name, namespace = %namespace, node = %node.name, "kubelet: pod removed");
     }
 
-    async fn unmount(&self, node: &KubeletNode, mounted: &Mounted, pod: &str) {
-        let volume = &mounted.volume;
-        let what = format!("unmounting {} of pod {pod} on {}", volume.name, node.name);
-        retry(&self.shutdown, &what, || self.try_unmount(node, volume)).await;
+    /// Unpublishes every volume set-up tried to publish for pod `uid`, then unstages those it
+    /// staged that no other pod uses.
+    async fn release_volumes(&self, node: &KubeletNode, uid: &str, pod: &str) {
+        let (attempted, staged) = match self.lock().pods.get_mut(uid) {
+            Some(p) => {
+                p.mounted.clear();
+                (
+                    std::mem::take(&mut p.attempted),
+                    std::mem::take(&mut p.staged),
+                )
+            }
+            None => return,
+        };
+        for volume in attempted.iter().rev() {
+            let what = format!("unpublishing {} of {pod} on {}", volume.name, node.name);
+            retry(&self.shutdown, &what, || self.unpublish(node, volume)).await;
+        }
+        for volume in &staged {
+            let last = self
+                .lock()
+                .staged
+                .remove(&node.name, &volume.volume_id, uid);
+            if last {
+                let what = format!("unstaging {} of {pod} on {}", volume.name, node.name);
+                retry(&self.shutdown, &what, || self.unstage(node, volume)).await;
+            }
+        }
     }
 
-    async fn try_unmount(&self, node: &KubeletNode, volume: &PodVolume) -> Result<(), String> {
+    async fn unpublish(&self, node: &KubeletNode, volume: &PodVolume) -> Result<(), String> {
         let channel = driver::client::connect(&node.socket)
             .await
             .map_err(|e| format!("connecting to {}: {e}", node.socket.display()))?;
-        let mut csi = NodeClient::new(channel);
-        csi.node_unpublish_volume(NodeUnpublishVolumeRequest {
-            volume_id: volume.volume_id.clone(),
-            target_path: volume.target.display().to_string(),
-        })
-        .await
-        .map_err(|e| format!("NodeUnpublishVolume {}: {e}", volume.volume_id))?;
+        NodeClient::new(channel)
+            .node_unpublish_volume(NodeUnpublishVolumeRequest {
+                volume_id: volume.volume_id.clone(),
+                target_path: volume.target.display().to_string(),
+            })
+            .await
+            .map_err(|e| format!("NodeUnpublishVolume {}: {e}", volume.volume_id))?;
         // Kubelet removes the volume's directory once the driver has unpublished.
         if let Some(dir) = volume.target.parent() {
             let _ = std::fs::remove_dir_all(dir);
         }
-        if let Some(staging) = &volume.staging
-            && self.is_last_user(&node.name, &volume.volume_id)
-        {
-            csi.node_unstage_volume(NodeUnstageVolumeRequest {
+        Ok(())
+    }
+
+    async fn unstage(&self, node: &KubeletNode, volume: &PodVolume) -> Result<(), String> {
+        let Some(staging) = &volume.staging else {
+            return Ok(());
+        };
+        let channel = driver::client::connect(&node.socket)
+            .await
+            .map_err(|e| format!("connecting to {}: {e}", node.socket.display()))?;
+        NodeClient::new(channel)
+            .node_unstage_volume(NodeUnstageVolumeRequest {
                 volume_id: volume.volume_id.clone(),
                 staging_target_path: staging.display().to_string(),
             })
             .await
             .map_err(|e| format!("NodeUnstageVolume {}: {e}", volume.volume_id))?;
-            self.release_stage(&node.name, &volume.volume_id);
-            let dir = if volume.block {
-                staging.clone()
-            } else {
-                staging
-                    .parent()
-                    .map_or_else(|| staging.clone(), Path::to_path_buf)
-            };
-            let _ = std::fs::remove_dir_all(dir);
-        } else if volume.staging.is_some() {
-            self.release_stage(&node.name, &volume.volume_id);
-        }
+        let dir = if volume.block {
+            staging.clone()
+        } else {
+            staging
+                .parent()
+                .map_or_else(|| staging.clone(), Path::to_path_buf)
+        };
+        let _ = std::fs::remove_dir_all(dir);
         Ok(())
-    }
-
-    fn is_last_user(&self, node: &str, volume_id: &str) -> bool {
-        self.lock()
-            .staged
-            .get(&(node.to_string(), volume_id.to_string()))
-            .is_none_or(|n| *n <= 1)
     }
 }
 
@@ -913,6 +947,20 @@ mod tests {
                 ..Default::default()
             },
         )
+    }
+
+    #[test]
+    fn a_volume_is_unstaged_after_its_last_pod() {
+        let mut users = StageUsers::default();
+        assert!(users.add("n1", "v", "a"), "first use by a");
+        assert!(!users.add("n1", "v", "a"), "a again: nothing new");
+        assert!(users.add("n1", "v", "b"), "first use by b");
+        assert!(users.add("n2", "v", "a"), "another node is another volume");
+        assert!(!users.remove("n1", "v", "a"), "b still uses it");
+        assert!(!users.remove("n1", "v", "a"), "a twice: b still uses it");
+        assert!(users.remove("n1", "v", "b"), "last user gone");
+        assert!(users.remove("n1", "v", "b"), "unknown: nothing holds it");
+        assert!(users.remove("n2", "v", "a"));
     }
 
     #[test]

@@ -30,34 +30,57 @@ async fn graceful_stop_leaves_nothing() {
     );
 }
 
-/// The demo binary holds a testenv; SIGKILL it as a test harness could be killed, and the
-/// watchdog must take every process and mount of its testenv with it.
+/// What `killed_owner_leaves_no_process_or_mount` kills: this test binary, running only
+/// [`owner_process`], which holds a testenv with a node driver and waits forever.
+#[tokio::test]
+#[ignore = "run in a child process by killed_owner_leaves_no_process_or_mount"]
+async fn owner_process() {
+    let env = TestEnv::builder()
+        .nodes(1)
+        .drivers(testenv::node_processes::DriverOptions::default())
+        .start()
+        .await
+        .expect("testenv");
+    println!("work dir: {}", env.dir().display());
+    println!("process group: {}", env.process_group_id());
+    std::future::pending::<()>().await;
+}
+
+/// A process holding a testenv is SIGKILLed, as a test harness could be killed: the watchdog
+/// must take every process and mount of its testenv with it.
 #[test]
 fn killed_owner_leaves_no_process_or_mount() {
-    let mut demo = Command::new(env!("CARGO_BIN_EXE_demo"))
-        .env("TESTENV_NODES", "1")
+    let mut owner = Command::new(std::env::current_exe().expect("this test binary"))
+        .args([
+            "owner_process",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
-        .expect("start demo");
-    let stdout = demo.stdout.take().expect("stdout");
+        .expect("start the owner process");
+    let stdout = owner.stdout.take().expect("stdout");
     let mut pgid = None;
     let mut dir = None;
     for line in BufReader::new(stdout).lines() {
-        let line = line.expect("read demo output");
-        if let Some(v) = line.trim().strip_prefix("process group: ") {
+        let line = line.expect("read the owner's output");
+        // libtest writes "test owner_process ... " in front of the owner's first line.
+        if let Some((_, v)) = line.split_once("process group: ") {
             pgid = v.trim().parse::<i32>().ok();
             break;
         }
-        if let Some(v) = line.trim().strip_prefix("work dir:") {
+        if let Some((_, v)) = line.split_once("work dir:") {
             dir = Some(PathBuf::from(v.trim()));
         }
     }
     let (pgid, dir) = match (pgid, dir) {
         (Some(p), Some(d)) => (p, d),
         other => {
-            let _ = demo.kill();
-            panic!("demo did not print its process group and work dir: {other:?}");
+            let _ = owner.kill();
+            panic!("the owner did not print its process group and work dir: {other:?}");
         }
     };
     let leftovers = Leftovers::new(pgid, dir.clone());
@@ -65,8 +88,8 @@ fn killed_owner_leaves_no_process_or_mount() {
         !leftovers.find().is_empty(),
         "the testenv should be running before the kill"
     );
-    demo.kill().expect("SIGKILL demo");
-    demo.wait().expect("reap demo");
+    owner.kill().expect("SIGKILL the owner");
+    owner.wait().expect("reap the owner");
     let runtime = tokio::runtime::Runtime::new().expect("runtime");
     let remaining = runtime.block_on(leftovers.wait_clean(CLEAN_WITHIN));
     assert!(

@@ -363,12 +363,13 @@ fn print_access(env: &TestEnv) {
          alias kubectl={}\n  \
          kubectl get pods,pvc -n {NAMESPACE} -o wide\n\n\
          metrics:\n{}\n\n  \
-         apiserver:  {}\n  logs:       {}/logs\n  process group: {}\n\n\
+         apiserver:  {}\n  work dir:   {}\n  logs:       {}/logs\n  process group: {}\n\n\
          Press Ctrl-C to stop; everything is removed.",
         env.admin_kubeconfig().display(),
         kubectl.display(),
         metrics.join("\n"),
         env.server(),
+        env.dir().display(),
         env.dir().display(),
         env.process_group_id(),
     );
