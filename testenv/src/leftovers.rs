@@ -12,7 +12,9 @@ pub fn work_dir_prefix() -> String {
 const WORK_DIR_PREFIX: &str = "pmem-csi-testenv-";
 
 /// Removes work directories of testenvs whose process is gone (a shared testenv is never
-/// dropped, so its directory outlives the test binary).
+/// dropped, so its directory outlives the test binary). Mounts and loop devices a dead owner
+/// left under one (a scenario's volumes when its test binary died) go first: nothing of that
+/// testenv runs any more to use them.
 pub fn remove_stale_work_dirs(parent: &Path) {
     let Ok(entries) = std::fs::read_dir(parent) else {
         return;
@@ -27,9 +29,10 @@ pub fn remove_stale_work_dirs(parent: &Path) {
             continue;
         };
         let path = entry.path();
-        if Path::new(&format!("/proc/{pid}")).exists() || !mounts_under(&path).is_empty() {
+        if Path::new(&format!("/proc/{pid}")).exists() {
             continue;
         }
+        release_mounts_and_loops(&path);
         match std::fs::remove_dir_all(&path) {
             Ok(()) => tracing::info!(dir = %path.display(), "removed stale testenv directory"),
             Err(e) => {
@@ -130,6 +133,31 @@ fn unescape_mount_path(field: &str) -> String {
         .replace("\\134", "\\")
 }
 
+/// Lazily unmounts every mount under `root` (deepest first) and detaches the loop devices
+/// backed by files under it.
+fn release_mounts_and_loops(root: &Path) {
+    let mut mounts = mounts_under(root);
+    // Deeper paths sort after their parents; undo in reverse.
+    mounts.sort();
+    for mount in mounts.iter().rev() {
+        match rustix::mount::unmount(mount.as_str(), rustix::mount::UnmountFlags::DETACH) {
+            Ok(()) => tracing::info!(%mount, "unmounted a stale testenv mount"),
+            Err(e) => tracing::warn!(%mount, "unmounting a stale testenv mount: {e}"),
+        }
+    }
+    for (device, backing) in loop_devices_under(root) {
+        let detached = std::process::Command::new("losetup")
+            .args(["--detach", &device])
+            .status()
+            .is_ok_and(|s| s.success());
+        if detached {
+            tracing::info!(%device, %backing, "detached a stale testenv loop device");
+        } else {
+            tracing::warn!(%device, %backing, "could not detach a stale testenv loop device");
+        }
+    }
+}
+
 /// Loop devices whose backing file is under `root`, as (device, backing file).
 pub fn loop_devices_under(root: &Path) -> Vec<(String, String)> {
     let Ok(entries) = std::fs::read_dir("/sys/block") else {
@@ -167,6 +195,31 @@ mod tests {
     fn unescape_table() {
         assert_eq!(unescape_mount_path("/a\\040b"), "/a b");
         assert_eq!(unescape_mount_path("/a\\134b"), "/a\\b");
+    }
+
+    #[test]
+    fn stale_directory_goes_with_its_mounts() {
+        let parent = tempfile::tempdir().expect("tempdir");
+        // Above any pid_max: an owner that is surely gone.
+        let stale = parent.path().join(format!("{WORK_DIR_PREFIX}4194305-x"));
+        let mount = stale.join("nodes/n/mnt");
+        std::fs::create_dir_all(&mount).expect("dirs");
+        rustix::mount::mount(
+            "tmpfs",
+            &mount,
+            "tmpfs",
+            rustix::mount::MountFlags::empty(),
+            None,
+        )
+        .expect("tmpfs (tests run as root)");
+        let alive = parent
+            .path()
+            .join(format!("{WORK_DIR_PREFIX}{}-y", std::process::id()));
+        std::fs::create_dir_all(&alive).expect("dir");
+        remove_stale_work_dirs(parent.path());
+        assert!(mounts_under(&stale).is_empty(), "unmounted");
+        assert!(!stale.exists(), "stale directory removed");
+        assert!(alive.exists(), "a live owner's directory stays");
     }
 
     #[test]
