@@ -352,7 +352,7 @@ impl Volumes {
         })?;
         self.index().remove(id);
         self.changed();
-        tracing::info!(id, "volume deleted");
+        tracing::info!(id, erased = stored.erase_after(), "volume deleted");
         Ok(())
     }
 }

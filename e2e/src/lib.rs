@@ -72,7 +72,11 @@ pub fn testenv_builder() -> TestEnvBuilder {
     }
     builder
         .node(NodeSpec::driverless(DRIVERLESS))
-        .drivers(testenv::node_processes::DriverOptions::default())
+        .drivers(testenv::node_processes::DriverOptions {
+            // Scenarios read what the drivers did (erased volumes) from their JSON logs.
+            extra_args: vec!["--log-format=json".into()],
+            ..Default::default()
+        })
         .extender(["--reschedule-grace=2s"])
         .controller(["--reschedule-grace=2s"])
         .kubelet()

@@ -354,11 +354,28 @@ async fn s07_cleanup() {
     for i in 0..3 {
         s.running(&format!("c{i}")).await.expect("running");
     }
-    let used: i64 = c.capacity().await.expect("capacity").values().sum();
-    assert!(
-        used < s.full.values().sum::<i64>(),
-        "capacity went down while the volumes exist"
-    );
+    let full: i64 = s.full.values().sum();
+    until("published capacity to go down", WAIT, || async {
+        let now: i64 = c
+            .capacity()
+            .await
+            .map_err(|e| e.to_string())?
+            .values()
+            .sum();
+        (now <= full - 3 * 64 * MI)
+            .then_some(())
+            .ok_or_else(|| format!("{now} of {full} bytes free"))
+    })
+    .await
+    .expect("capacity used while the volumes exist");
+    let volumes: Vec<(String, String)> = s
+        .volumes()
+        .await
+        .expect("pvs")
+        .iter()
+        .map(|pv| (volume_handle(pv), pinned_node(pv).expect("pinned")))
+        .collect();
+    assert_eq!(volumes.len(), 3);
     for i in 0..3 {
         delete_pod(&s, &format!("c{i}")).await;
         s.claims
@@ -367,6 +384,16 @@ async fn s07_cleanup() {
             .expect("delete claim");
     }
     s.volumes_gone().await.expect("PVs deleted");
+    if let Some(env) = c.env {
+        for (id, node) in &volumes {
+            let log = env.dir().join(format!("logs/{node}-pmem-csi.log"));
+            assert_eq!(
+                testenv::json_log::volume_deleted(&log, id),
+                Some(true),
+                "{id} on {node}: deleted and erased first ({CLASS} erases)"
+            );
+        }
+    }
     s.finish().await.expect("leak check");
 }
 

@@ -63,6 +63,15 @@ pub fn create_volume_of(log: &Path, name: &str) -> Option<(u64, Duration)> {
     Some((size, parse_debug_duration(field(rpc, "elapsed")?)?))
 }
 
+/// Whether the node driver's log says volume `id` was deleted, and if so whether it was
+/// scrubbed first (`eraseafter`).
+pub fn volume_deleted(log: &Path, id: &str) -> Option<bool> {
+    lines(log)
+        .iter()
+        .find(|l| field(l, "message") == Some("volume deleted") && field(l, "id") == Some(id))
+        .map(|l| l.get("erased").and_then(Value::as_bool).unwrap_or(false))
+}
+
 /// Durations of every successful RPC whose method ends with `method` in a node driver's log.
 pub fn rpc_durations(log: &Path, method: &str) -> Vec<Duration> {
     lines(log)
@@ -135,6 +144,19 @@ mod tests {
             Some((4 << 20, Duration::from_micros(12_500)))
         );
         assert_eq!(create_volume_of(&driver, "pvc-other"), None);
+        let deleted = dir.path().join("deleted.log");
+        std::fs::write(
+            &deleted,
+            [
+                r#"{"message":"volume deleted","id":"a","erased":true}"#,
+                r#"{"message":"volume deleted","id":"b","erased":false}"#,
+            ]
+            .join("\n"),
+        )
+        .expect("write");
+        assert_eq!(volume_deleted(&deleted, "a"), Some(true));
+        assert_eq!(volume_deleted(&deleted, "b"), Some(false));
+        assert_eq!(volume_deleted(&deleted, "c"), None);
         assert_eq!(
             rpc_durations(&driver, "CreateVolume"),
             vec![Duration::from_micros(12_500)]
