@@ -504,6 +504,27 @@ async fn storage_bound_arm(scale: &Scale, with_extender: bool) -> anyhow::Result
         }
         None => 0,
     };
+    if exhausted > 0 || !finished {
+        // The work directory goes with the testenv; these logs explain the failures.
+        let kept = std::env::temp_dir().join(format!(
+            "pmem-csi-bench-logs-{}-{}",
+            if with_extender {
+                "extender"
+            } else {
+                "capacity-tracking"
+            },
+            std::process::id()
+        ));
+        let copied = std::process::Command::new("cp")
+            .arg("-a")
+            .arg(env.dir().join("logs"))
+            .arg(&kept)
+            .status()
+            .is_ok_and(|s| s.success());
+        if copied {
+            eprintln!("storage-bound arm: logs kept in {}", kept.display());
+        }
+    }
     let flags = serde_json::json!({
         "nodes": scale.bound_nodes,
         "budget per node": budget,

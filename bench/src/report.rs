@@ -291,6 +291,18 @@ pub fn render(dir: &Path) -> anyhow::Result<String> {
     for (name, description) in described {
         out.push_str(&format!("- `{name}`: {description}\n"));
     }
+    // Every knob of the newest run of each benchmark, QPS and burst of every component
+    // included, so that a number is never read without how it was obtained.
+    out.push_str("\n## Flags of the newest runs\n\n");
+    let mut flagged = std::collections::BTreeSet::new();
+    for (file, results) in runs.iter().rev() {
+        for b in &results.benchmarks {
+            if b.flags.as_object().is_some_and(|o| !o.is_empty()) && flagged.insert(b.name.clone())
+            {
+                out.push_str(&format!("- `{}` ({file}): `{}`\n", b.name, b.flags));
+            }
+        }
+    }
     out.push_str("\n## Runs\n\n");
     for (file, results) in runs.iter().rev() {
         let missed = results.missed();
