@@ -288,22 +288,14 @@ fn or_default(args: Vec<String>, default: &str) -> serde_json::Value {
 
 /// CreateVolume calls that ended in ResourceExhausted, summed over the drivers' metrics.
 async fn exhausted_creates(env: &TestEnv) -> u64 {
-    let mut total = 0.0;
+    let mut total = 0;
     for node in env.nodes() {
         if let Some(port) = env.driver_admin_port(&node.name) {
             let text = testenv::objects::scrape_metrics(port).await;
-            total += text
-                .lines()
-                .filter(|l| {
-                    l.starts_with("csi_plugin_operations_seconds_count")
-                        && l.contains("CreateVolume")
-                        && l.contains("ResourceExhausted")
-                })
-                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .fold(0.0, |a, b| a + b);
+            total += testenv::objects::create_volume_calls(&text, "ResourceExhausted").0;
         }
     }
-    total as u64
+    total
 }
 
 async fn stop(env: TestEnv) -> anyhow::Result<()> {
@@ -506,22 +498,12 @@ async fn storage_bound_arm(scale: &Scale, with_extender: bool) -> anyhow::Result
     };
     if exhausted > 0 || !finished {
         // The work directory goes with the testenv; these logs explain the failures.
-        let kept = std::env::temp_dir().join(format!(
-            "pmem-csi-bench-logs-{}-{}",
-            if with_extender {
-                "extender"
-            } else {
-                "capacity-tracking"
-            },
-            std::process::id()
-        ));
-        let copied = std::process::Command::new("cp")
-            .arg("-a")
-            .arg(env.dir().join("logs"))
-            .arg(&kept)
-            .status()
-            .is_ok_and(|s| s.success());
-        if copied {
+        let arm = if with_extender {
+            "extender"
+        } else {
+            "capacity-tracking"
+        };
+        if let Some(kept) = env.keep_logs(&format!("pmem-csi-bench-logs-{arm}")) {
             eprintln!("storage-bound arm: logs kept in {}", kept.display());
         }
     }

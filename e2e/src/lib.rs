@@ -594,17 +594,7 @@ pub fn node_of(pod: &Pod) -> String {
 
 /// The node a PV is pinned to by its node affinity (`<driver>/node`).
 pub fn pinned_node(pv: &PersistentVolume) -> Option<String> {
-    pv.spec
-        .as_ref()?
-        .node_affinity
-        .as_ref()?
-        .required
-        .as_ref()?
-        .node_selector_terms
-        .iter()
-        .flat_map(|t| t.match_expressions.iter().flatten())
-        .find(|e| e.key == format!("{DRIVER}/node"))
-        .and_then(|e| e.values.as_ref()?.first().cloned())
+    testenv::objects::pinned_node(pv, DRIVER)
 }
 
 /// The CSI volume id of a PV.

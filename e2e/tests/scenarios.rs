@@ -62,15 +62,7 @@ async fn exhausted_creates(c: &Cluster) -> u64 {
         };
         let text = objects::scrape_metrics(port).await;
         assert!(!text.is_empty(), "metrics of {}", node.name);
-        total += text
-            .lines()
-            .filter(|l| {
-                l.starts_with("csi_plugin_operations_seconds_count")
-                    && l.contains("CreateVolume")
-                    && l.contains("ResourceExhausted")
-            })
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum::<f64>() as u64;
+        total += objects::create_volume_calls(&text, "ResourceExhausted").0;
     }
     total
 }

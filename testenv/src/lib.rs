@@ -513,6 +513,19 @@ impl TestEnv {
         }
     }
 
+    /// Copies the logs to `<tmp>/<name>-<pid>`, which outlives the work directory (for a failure
+    /// found after the testenv is no longer needed); the copy's path, if it worked.
+    pub fn keep_logs(&self, name: &str) -> Option<PathBuf> {
+        let kept = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
+        std::process::Command::new("cp")
+            .arg("-a")
+            .arg(self.dir().join("logs"))
+            .arg(&kept)
+            .status()
+            .is_ok_and(|s| s.success())
+            .then_some(kept)
+    }
+
     /// The simulated kubelet, when testenv runs it.
     pub fn kubelet(&self) -> Option<&kubelet::Kubelet> {
         self.kubelet.as_ref()

@@ -318,6 +318,40 @@ pub async fn scrape_metrics(port: u16) -> String {
     client.request_text(request).await.unwrap_or_default()
 }
 
+/// `(count, sum)` of the node driver's CreateVolume calls that ended with gRPC status
+/// `status` (`"OK"`, `"ResourceExhausted"`, …), from its `/metrics` text.
+pub fn create_volume_calls(text: &str, status: &str) -> (u64, f64) {
+    let code = format!("grpc_status_code=\"{status}\"");
+    let pick = |suffix: &str| {
+        let name = format!("csi_plugin_operations_seconds_{suffix}{{");
+        text.lines()
+            .filter(|l| l.starts_with(&name) && l.contains("CreateVolume") && l.contains(&code))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            // Not sum(): an empty f64 sum is -0.0, printed as "-0.0000".
+            .fold(0.0, |total, v| total + v)
+    };
+    (pick("count") as u64, pick("sum"))
+}
+
+/// The node a PV of `driver` is pinned to by its node affinity (`<driver>/node`).
+pub fn pinned_node(
+    pv: &k8s_openapi::api::core::v1::PersistentVolume,
+    driver: &str,
+) -> Option<String> {
+    let key = crate::nodes::NodeSpec::topology_key(driver);
+    pv.spec
+        .as_ref()?
+        .node_affinity
+        .as_ref()?
+        .required
+        .as_ref()?
+        .node_selector_terms
+        .iter()
+        .flat_map(|t| t.match_expressions.iter().flatten())
+        .find(|e| e.key == key)
+        .and_then(|e| e.values.as_ref()?.first().cloned())
+}
+
 /// The sum of the samples whose line starts with `prefix` (a metric name with labels).
 pub fn metric_value(text: &str, prefix: &str) -> u64 {
     text.lines()
@@ -345,6 +379,21 @@ mod tests {
             c.spec.and_then(|s| s.storage_class_name).as_deref(),
             Some("pmem")
         );
+    }
+
+    #[test]
+    fn create_volume_calls_by_status() {
+        let text = "\
+csi_plugin_operations_seconds_sum{driver_name=\"d\",method_name=\"/csi.v1.Controller/CreateVolume\",grpc_status_code=\"OK\"} 0.5
+csi_plugin_operations_seconds_count{driver_name=\"d\",method_name=\"/csi.v1.Controller/CreateVolume\",grpc_status_code=\"OK\"} 2
+csi_plugin_operations_seconds_count{driver_name=\"d\",method_name=\"/csi.v1.Controller/CreateVolume\",grpc_status_code=\"ResourceExhausted\"} 7
+csi_plugin_operations_seconds_count{driver_name=\"d\",method_name=\"/csi.v1.Node/NodeStageVolume\",grpc_status_code=\"OK\"} 3
+";
+        assert_eq!(create_volume_calls(text, "OK"), (2, 0.5));
+        assert_eq!(create_volume_calls(text, "ResourceExhausted").0, 7);
+        let (none, sum) = create_volume_calls(text, "Internal");
+        assert_eq!(none, 0);
+        assert!(sum.is_sign_positive(), "0.0, not -0.0");
     }
 
     #[test]

@@ -91,20 +91,11 @@ async fn main() -> anyhow::Result<()> {
     };
     if let Err(e) = &outcome {
         // The work directory goes with the testenv; the logs explain the failure.
-        let kept = std::env::temp_dir().join(format!("pmem-csi-demo-logs-{}", std::process::id()));
-        let copied = std::process::Command::new("cp")
-            .arg("-a")
-            .arg(env.dir().join("logs"))
-            .arg(&kept)
-            .status()
-            .is_ok_and(|s| s.success());
+        let kept = env.keep_logs("pmem-csi-demo-logs");
         eprintln!(
             "demo failed: {e:#}{}",
-            if copied {
-                format!("; logs kept in {}", kept.display())
-            } else {
-                String::new()
-            }
+            kept.map(|k| format!("; logs kept in {}", k.display()))
+                .unwrap_or_default()
         );
     } else if !exit_after_demo {
         print_access(&env);
@@ -151,7 +142,7 @@ async fn run(env: &TestEnv, n: &Narrator) -> anyhow::Result<()> {
             continue;
         };
         let text = testenv::objects::scrape_metrics(port).await;
-        let (count, sum) = create_volume_histogram(&text);
+        let (count, sum) = testenv::objects::create_volume_calls(&text, "OK");
         n.say(
             "histogram",
             format!(
@@ -252,7 +243,7 @@ async fn narrate_pod(
         let pv = Api::<PersistentVolume>::all(client.clone())
             .get(&pv_name)
             .await?;
-        let pinned = pinned_node(&pv, &driver).unwrap_or_default();
+        let pinned = testenv::objects::pinned_node(&pv, &driver).unwrap_or_default();
         n.say(
             "pv",
             format!("{NAMESPACE}/{claim} -> {pv_name} pinned to {pinned}"),
@@ -311,36 +302,6 @@ async fn narrate_pod(
     Ok(())
 }
 
-fn pinned_node(pv: &PersistentVolume, driver: &str) -> Option<String> {
-    pv.spec
-        .as_ref()?
-        .node_affinity
-        .as_ref()?
-        .required
-        .as_ref()?
-        .node_selector_terms
-        .iter()
-        .flat_map(|t| t.match_expressions.iter().flatten())
-        .find(|e| e.key == format!("{driver}/node"))
-        .and_then(|e| e.values.as_ref()?.first().cloned())
-}
-
-/// `(count, sum)` of the successful CreateVolume calls in a driver's metrics.
-fn create_volume_histogram(text: &str) -> (u64, f64) {
-    let pick = |suffix: &str| {
-        text.lines()
-            .filter(|l| {
-                l.starts_with(&format!("csi_plugin_operations_seconds_{suffix}{{"))
-                    && l.contains("CreateVolume")
-                    && l.contains("grpc_status_code=\"OK\"")
-            })
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            // Not sum(): an empty f64 sum is -0.0, printed as "-0.0000".
-            .fold(0.0, |total, v| total + v)
-    };
-    (pick("count") as u64, pick("sum"))
-}
-
 fn print_access(env: &TestEnv) {
     let kubectl = env.tools().go("kubectl");
     let mut metrics: Vec<String> = env
@@ -373,20 +334,4 @@ fn print_access(env: &TestEnv) {
         env.dir().display(),
         env.process_group_id(),
     );
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn histogram_sums_ok_create_volume_only() {
-        let text = "\
-csi_plugin_operations_seconds_sum{driver_name=\"d\",method_name=\"/csi.v1.Controller/CreateVolume\",grpc_status_code=\"OK\"} 0.5
-csi_plugin_operations_seconds_count{driver_name=\"d\",method_name=\"/csi.v1.Controller/CreateVolume\",grpc_status_code=\"OK\"} 2
-csi_plugin_operations_seconds_count{driver_name=\"d\",method_name=\"/csi.v1.Controller/CreateVolume\",grpc_status_code=\"ResourceExhausted\"} 7
-csi_plugin_operations_seconds_count{driver_name=\"d\",method_name=\"/csi.v1.Node/NodeStageVolume\",grpc_status_code=\"OK\"} 3
-";
-        assert_eq!(create_volume_histogram(text), (2, 0.5));
-    }
 }
