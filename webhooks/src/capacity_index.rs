@@ -276,14 +276,14 @@ impl CapacityIndex {
         self.classes.iter()
     }
 
-    /// Adds or updates a claim. Returns the node it newly counts on, so that the caller ends
-    /// the claim's reservation entry in the same locked update.
-    pub fn apply_claim(&mut self, claim: &PersistentVolumeClaim) -> Option<String> {
+    /// Adds or updates a claim. The caller then ends the claim's reservation entry if
+    /// [`CapacityIndex::counted_on`] names a node, in the same locked update.
+    pub fn apply_claim(&mut self, claim: &PersistentVolumeClaim) {
         let (Some(namespace), Some(name)) = (
             claim.metadata.namespace.clone(),
             claim.metadata.name.clone(),
         ) else {
-            return None;
+            return;
         };
         let annotations = claim.metadata.annotations.as_ref();
         let spec = claim.spec.as_ref();
@@ -311,12 +311,14 @@ impl CapacityIndex {
             namespace: namespace.clone(),
             name: name.clone(),
         };
-        let before = self.allocations.get(&key).map(|a| a.node.clone());
         self.claims.insert((namespace, name), record);
         self.bump();
         self.derive(&key);
-        let after = self.allocations.get(&key).map(|a| a.node.clone());
-        after.filter(|node| before.as_ref() != Some(node))
+    }
+
+    /// The node a volume counts on as allocated, if it counts anywhere.
+    pub fn counted_on(&self, key: &VolumeKey) -> Option<&str> {
+        self.allocations.get(key).map(|a| a.node.as_str())
     }
 
     /// Removes a claim.
@@ -338,7 +340,12 @@ impl CapacityIndex {
     /// Whether a claim is this driver's and waits for a node: unbound, and its class (or, the
     /// class missing, its provisioner annotation) names this driver with late binding.
     pub fn is_pending_ours(&self, claim: &ClaimRecord) -> bool {
-        if claim.volume_name.is_some() || claim.deleting {
+        claim.volume_name.is_none() && self.is_late_binding_ours(claim)
+    }
+
+    /// Whether a claim, bound or not, is this driver's with late binding and not being deleted.
+    fn is_late_binding_ours(&self, claim: &ClaimRecord) -> bool {
+        if claim.deleting {
             return false;
         }
         match claim.class.as_deref().and_then(|c| self.classes.get(c)) {
@@ -630,10 +637,13 @@ impl CapacityIndex {
         let wanted = match key {
             VolumeKey::Claim { namespace, name } => match self.volumes.get(key) {
                 Some((node, size)) => Some((node.clone(), *size)),
+                // Bound claims count too while their PV is unseen: the binder's update of the
+                // claim arrives on another watch than the PV's creation and can overtake it,
+                // and a claim counting nowhere in between let a /filter over-commit the node.
                 None => self
                     .claims
                     .get(&(namespace.clone(), name.clone()))
-                    .filter(|c| self.is_pending_ours(c))
+                    .filter(|c| self.is_late_binding_ours(c))
                     .and_then(|c| {
                         let node = c.selected_node.clone()?;
                         let size = if c.request == 0 {
@@ -655,6 +665,13 @@ impl CapacityIndex {
         if current == wanted {
             return;
         }
+        // A volume that stays on its node (a claim whose PV appears, with the size the node
+        // really allocated) is as reflected as before: a new number would count it twice in
+        // the pool view until the node happened to publish again.
+        let seq = match (self.allocations.get(key), &wanted) {
+            (Some(old), Some((node, _))) if old.node == *node => old.seq,
+            _ => self.seq,
+        };
         if let Some(old) = self.allocations.remove(key)
             && let Some(entry) = self.nodes.get_mut(&old.node)
         {
@@ -662,14 +679,8 @@ impl CapacityIndex {
         }
         if let Some((node, size)) = wanted {
             self.entry(&node).volumes.insert(key.clone());
-            self.allocations.insert(
-                key.clone(),
-                Allocation {
-                    node,
-                    size,
-                    seq: self.seq,
-                },
-            );
+            self.allocations
+                .insert(key.clone(), Allocation { node, size, seq });
         }
     }
 }
@@ -713,157 +724,7 @@ pub fn published_capacity(driver: &str, object: &CSIStorageCapacity) -> Publishe
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::api::core::v1::{
-        CSIPersistentVolumeSource, CSIVolumeSource, NodeSelector, NodeSelectorRequirement,
-        NodeSelectorTerm, ObjectReference, PersistentVolumeClaimSpec, PersistentVolumeSpec,
-        PodSpec, PodStatus, Volume, VolumeNodeAffinity, VolumeResourceRequirements,
-    };
-    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
-    use kube::api::ObjectMeta;
-
-    const DRIVER: &str = "pmem-csi.intel.com";
-    const GI: u64 = 1 << 30;
-
-    fn class(name: &str, provisioner: &str, mode: &str) -> StorageClass {
-        StorageClass {
-            metadata: ObjectMeta {
-                name: Some(name.into()),
-                ..Default::default()
-            },
-            provisioner: provisioner.into(),
-            volume_binding_mode: Some(mode.into()),
-            ..Default::default()
-        }
-    }
-
-    fn claim(
-        name: &str,
-        class: &str,
-        node: Option<&str>,
-        volume: Option<&str>,
-    ) -> PersistentVolumeClaim {
-        PersistentVolumeClaim {
-            metadata: ObjectMeta {
-                namespace: Some("ns".into()),
-                name: Some(name.into()),
-                annotations: node.map(|n| [(SELECTED_NODE.to_string(), n.to_string())].into()),
-                ..Default::default()
-            },
-            spec: Some(PersistentVolumeClaimSpec {
-                storage_class_name: Some(class.into()),
-                volume_name: volume.map(Into::into),
-                resources: Some(VolumeResourceRequirements {
-                    requests: Some([("storage".to_string(), Quantity("1Gi".into()))].into()),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }
-    }
-
-    fn volume(name: &str, node: &str, size: &str, claim: Option<&str>) -> PersistentVolume {
-        PersistentVolume {
-            metadata: ObjectMeta {
-                name: Some(name.into()),
-                ..Default::default()
-            },
-            spec: Some(PersistentVolumeSpec {
-                capacity: Some([("storage".to_string(), Quantity(size.into()))].into()),
-                csi: Some(CSIPersistentVolumeSource {
-                    driver: DRIVER.into(),
-                    volume_handle: name.into(),
-                    ..Default::default()
-                }),
-                claim_ref: claim.map(|c| ObjectReference {
-                    namespace: Some("ns".into()),
-                    name: Some(c.into()),
-                    ..Default::default()
-                }),
-                node_affinity: Some(VolumeNodeAffinity {
-                    required: Some(NodeSelector {
-                        node_selector_terms: vec![NodeSelectorTerm {
-                            match_expressions: Some(vec![NodeSelectorRequirement {
-                                key: format!("{DRIVER}/node"),
-                                operator: "In".into(),
-                                values: Some(vec![node.into()]),
-                            }]),
-                            ..Default::default()
-                        }],
-                    }),
-                }),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }
-    }
-
-    fn inline_pod(uid: &str, node: Option<&str>, phase: &str) -> Pod {
-        Pod {
-            metadata: ObjectMeta {
-                uid: Some(uid.into()),
-                ..Default::default()
-            },
-            spec: Some(PodSpec {
-                node_name: node.map(Into::into),
-                volumes: Some(vec![
-                    Volume {
-                        name: "mine".into(),
-                        csi: Some(CSIVolumeSource {
-                            driver: DRIVER.into(),
-                            volume_attributes: Some(
-                                [("size".to_string(), "2Gi".to_string())].into(),
-                            ),
-                            ..Default::default()
-                        }),
-                        ..Default::default()
-                    },
-                    Volume {
-                        name: "other".into(),
-                        csi: Some(CSIVolumeSource {
-                            driver: "other.example.com".into(),
-                            ..Default::default()
-                        }),
-                        ..Default::default()
-                    },
-                ]),
-                ..Default::default()
-            }),
-            status: Some(PodStatus {
-                phase: Some(phase.into()),
-                ..Default::default()
-            }),
-        }
-    }
-
-    fn capacity(name: &str, node: &str, free: &str, extents: Option<&str>) -> CSIStorageCapacity {
-        let mut annotations = BTreeMap::from([
-            (format!("{DRIVER}/managed-bytes"), (10 * GI).to_string()),
-            (
-                format!("{DRIVER}/alignment-bytes"),
-                (4u64 << 20).to_string(),
-            ),
-        ]);
-        if let Some(e) = extents {
-            annotations.insert(format!("{DRIVER}/free-extents"), e.into());
-        }
-        CSIStorageCapacity {
-            metadata: ObjectMeta {
-                name: Some(name.into()),
-                labels: Some([(DRIVER_LABEL.to_string(), DRIVER.to_string())].into()),
-                annotations: Some(annotations),
-                ..Default::default()
-            },
-            storage_class_name: "c".into(),
-            node_topology: Some(LabelSelector {
-                match_labels: Some([(format!("{DRIVER}/node"), node.to_string())].into()),
-                ..Default::default()
-            }),
-            capacity: Some(Quantity(free.into())),
-            ..Default::default()
-        }
-    }
+    use crate::test_objects::{DRIVER, GI, capacity, claim, class, inline_pod, volume};
 
     fn index() -> CapacityIndex {
         let mut index = CapacityIndex::new(DRIVER, GI);
@@ -877,8 +738,15 @@ mod tests {
         index
     }
 
+    fn counted_on<'a>(index: &'a CapacityIndex, claim: &str) -> Option<&'a str> {
+        index.counted_on(&VolumeKey::Claim {
+            namespace: "ns".into(),
+            name: claim.into(),
+        })
+    }
+
     #[test]
-    fn claims_count_on_their_selected_node_only_when_ours_and_unbound() {
+    fn claims_count_on_their_selected_node_only_when_ours() {
         let mut index = index();
         for (name, object, counts) in [
             ("late, selected", claim("a", "late", Some("n1"), None), true),
@@ -890,27 +758,29 @@ mod tests {
                 false,
             ),
             (
-                "bound without PV seen",
+                "bound, its PV not seen yet",
                 claim("e", "late", Some("n1"), Some("pv-e")),
-                false,
+                true,
             ),
         ] {
-            let handed_over = index.apply_claim(&object);
-            assert_eq!(handed_over.is_some(), counts, "{name}");
+            index.apply_claim(&object);
+            let key = object.metadata.name.as_deref().unwrap_or_default();
+            assert_eq!(counted_on(&index, key).is_some(), counts, "{name}");
         }
-        assert_eq!(index.usage("n1", &[]).allocated, GI);
+        assert_eq!(index.usage("n1", &[]).allocated, 2 * GI);
         assert_eq!(
             index.usage("n1", &[("ns".into(), "a".into())]).allocated,
-            0,
+            GI,
             "the filtered pod's own claims are its demand, not allocations"
         );
-        // Updating a claim that already counts hands nothing over twice.
-        assert_eq!(
-            index.apply_claim(&claim("a", "late", Some("n1"), None)),
-            None
-        );
         index.delete_claim("ns", "a");
-        assert_eq!(index.usage("n1", &[]).allocated, 0);
+        assert_eq!(index.usage("n1", &[]).allocated, GI);
+        let mut deleting = claim("e", "late", Some("n1"), Some("pv-e"));
+        deleting.metadata.deletion_timestamp = Some(
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Default::default()),
+        );
+        index.apply_claim(&deleting);
+        assert_eq!(index.usage("n1", &[]).allocated, 0, "being deleted");
     }
 
     #[test]
@@ -926,6 +796,7 @@ mod tests {
         );
         index.apply_claim(&claim("a", "late", Some("n1"), Some("pv-a")));
         assert_eq!(index.usage("n1", &[]).allocated, 2 * GI);
+        assert_eq!(counted_on(&index, "a"), Some("n1"));
         // Claim deleted, PV still there (reclaim pending): still allocated.
         index.delete_claim("ns", "a");
         assert_eq!(index.usage("n1", &[]).allocated, 2 * GI);
@@ -935,6 +806,34 @@ mod tests {
         index.apply_volume(&volume("pv-x", "n1", "1Gi", None));
         index.apply_volume(&volume("pv-y", "n2", "1Gi", None));
         assert_eq!(index.usage("n1", &[]).allocated, GI);
+    }
+
+    #[test]
+    fn a_bound_claim_counts_until_its_late_volume_arrives() {
+        // The binder's claim update overtook the PV's creation event.
+        let mut index = index();
+        index.apply_claim(&claim("a", "late", Some("n1"), None));
+        index.apply_claim(&claim("a", "late", Some("n1"), Some("pv-a")));
+        assert_eq!(index.usage("n1", &[]).allocated, GI, "no gap");
+        index.apply_volume(&volume("pv-a", "n1", "1028Mi", Some("a")));
+        assert_eq!(index.usage("n1", &[]).allocated, 1028 << 20);
+    }
+
+    #[test]
+    fn a_volume_replacing_its_claim_on_the_same_node_stays_reflected() {
+        let mut index = index();
+        index.apply_claim(&claim("a", "late", Some("n1"), None));
+        index.apply_capacity(&capacity("cap-n1", "n1", "9Gi", None));
+        assert!(index.usage("n1", &[]).unreflected.is_empty());
+        // The PV carries the size the node really allocated: same volume, same node.
+        index.apply_volume(&volume("pv-a", "n1", "1028Mi", Some("a")));
+        let usage = index.usage("n1", &[]);
+        assert_eq!(usage.allocated, 1028 << 20);
+        assert!(usage.unreflected.is_empty(), "{usage:?}");
+        // Moved to another node (a rescheduled claim's new PV): not reflected there yet.
+        index.apply_capacity(&capacity("cap-n2", "n2", "9Gi", None));
+        index.apply_volume(&volume("pv-a", "n2", "1028Mi", Some("a")));
+        assert_eq!(index.usage("n2", &[]).unreflected, vec![1028 << 20]);
     }
 
     #[test]

@@ -429,6 +429,10 @@ async fn filter(State(shared): State<Shared>, body: Bytes) -> Response {
             if let Some(event) = outcome.event {
                 shared.metrics.reservation(event, 1);
             }
+            if let Some(unseen) = &outcome.deferred {
+                shared.metrics.deferred();
+                tracing::info!(pod = %outcome.pod, %unseen, "filter deferred: caches behind");
+            }
             tracing::debug!(
                 pod = %outcome.pod,
                 passed = outcome.result_nodes,
@@ -526,8 +530,10 @@ impl Indexed for PersistentVolume {
     fn key(&self) -> String {
         self.name_any()
     }
-    fn apply(&self, state: &mut ExtenderState, _: &ExtenderMetrics) {
-        state.index.apply_volume(self);
+    fn apply(&self, state: &mut ExtenderState, metrics: &ExtenderMetrics) {
+        if state.apply_volume(self) {
+            metrics.reservation(ReservationEvent::HandedOver, 1);
+        }
     }
     fn remove(key: &str, state: &mut ExtenderState, _: &ExtenderMetrics) {
         state.index.delete_volume(key);

@@ -69,6 +69,7 @@ pub struct ExtenderMetrics {
     rejections: Family<Reason, Counter>,
     reservations: Family<Event, Counter>,
     reserved_bytes: Gauge,
+    deferred: Counter,
 }
 
 impl ExtenderMetrics {
@@ -82,6 +83,7 @@ impl ExtenderMetrics {
             rejections: Family::default(),
             reservations: Family::default(),
             reserved_bytes: Gauge::default(),
+            deferred: Counter::default(),
         };
         // Counters are registered without `_total`; the encoder appends it.
         registry.register(
@@ -109,7 +111,17 @@ impl ExtenderMetrics {
             "Bytes currently reserved for pods being scheduled",
             m.reserved_bytes.clone(),
         );
+        registry.register(
+            "pmem_csi_extender_deferred_pods",
+            "Filter calls answered with a retry error: a claim or class of the pod had not reached the extender's caches yet",
+            m.deferred.clone(),
+        );
         m
+    }
+
+    /// Counts one pod told to retry because the caches were behind.
+    pub fn deferred(&self) {
+        self.deferred.inc();
     }
 
     /// Counts one request.
@@ -170,6 +182,7 @@ mod tests {
         m.rejected("ignored", 0);
         m.reservation(ReservationEvent::NoDemand, 1);
         m.set_reserved(u64::MAX);
+        m.deferred();
         let mut text = String::new();
         encode(&mut text, &registry).expect("encode");
         for want in [
@@ -178,6 +191,7 @@ mod tests {
             r#"pmem_csi_extender_node_rejections_total{reason="PMEM driver not running"} 2"#,
             r#"pmem_csi_reservations_total{event="no-demand"} 1"#,
             "pmem_csi_reserved_bytes 9223372036854775807",
+            "pmem_csi_extender_deferred_pods_total 1",
         ] {
             assert!(text.contains(want), "{want} missing in\n{text}");
         }

@@ -20,6 +20,8 @@ pub mod pod_volumes;
 pub mod reservation_book;
 pub mod score;
 pub mod self_signed;
+#[cfg(test)]
+pub(crate) mod test_objects;
 pub mod tls;
 pub mod webhook;
 

@@ -231,10 +231,10 @@ fn escape_pointer(token: &str) -> String {
 mod tests {
     use super::*;
     use crate::admission::decode_review;
-    use crate::pod_volumes::test_objects::*;
     use crate::pod_volumes::{
         ClaimFacts, ClaimKey, ClassFacts, claims_to_look_up, classes_to_look_up,
     };
+    use crate::test_objects::json::*;
     use serde_json::json;
 
     const KEY: &str = "pmem-csi.intel.com/scheduler";

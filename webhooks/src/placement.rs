@@ -8,16 +8,18 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 
-use crate::capacity_index::{CapacityIndex, ClaimRecord, NodeId};
+use crate::capacity_index::{self, CapacityIndex, ClaimRecord, NodeId, VolumeKey};
 use crate::extender_api::{
     ExtenderFilterResult, ExtenderPreemptionResult, ExtenderRequest, HostPriorityList,
     PreemptionRequest, Rejection,
 };
 use crate::extender_metrics::ReservationEvent;
 use crate::fit::{self, NodeView};
-use crate::pod_volumes::{self, ClaimFacts, ClassFacts, DemandKey, VolumeFacts, VolumeSource};
+use crate::pod_volumes::{
+    self, ClaimFacts, ClassFacts, DemandKey, Unseen, VolumeFacts, VolumeSource,
+};
 use crate::reservation_book::{Entry, EntryKey, ReservationBook};
 use crate::score::{self, ScorePolicy};
 
@@ -92,6 +94,8 @@ pub struct FilterOutcome {
     pub event: Option<ReservationEvent>,
     /// Per-node numbers (free bytes before the pod, or the rejection), for debug logs only.
     pub details: BTreeMap<String, String>,
+    /// What the pod names that the caches lack, when it was told to retry.
+    pub deferred: Option<Unseen>,
 }
 
 /// The index and the book. Every update that moves bytes between them happens under the one
@@ -114,14 +118,35 @@ impl ExtenderState {
 
     /// Applies a claim; `true` when a reservation entry was handed over to `allocated`.
     pub fn apply_claim(&mut self, claim: &PersistentVolumeClaim) -> bool {
-        let Some(node) = self.index.apply_claim(claim) else {
-            return false;
+        self.index.apply_claim(claim);
+        match (&claim.metadata.namespace, &claim.metadata.name) {
+            (Some(namespace), Some(name)) => self.hand_over(namespace, name),
+            _ => false,
+        }
+    }
+
+    /// Applies a PV; `true` when a reservation entry was handed over to `allocated`. The PV
+    /// can arrive before its claim shows the selected node (separate watches): its entry
+    /// ends then, or it would count twice until the reservation expired.
+    pub fn apply_volume(&mut self, pv: &PersistentVolume) -> bool {
+        self.index.apply_volume(pv);
+        let claim = pv.spec.as_ref().and_then(|s| s.claim_ref.as_ref());
+        match claim.map(|c| (&c.namespace, &c.name)) {
+            Some((Some(namespace), Some(name))) => self.hand_over(namespace, name),
+            _ => false,
+        }
+    }
+
+    /// Ends the claim's reservation entry if the index counts the claim on a node now.
+    fn hand_over(&mut self, namespace: &str, name: &str) -> bool {
+        let key = VolumeKey::Claim {
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
         };
-        let (Some(namespace), Some(name)) = (&claim.metadata.namespace, &claim.metadata.name)
-        else {
-            return false;
-        };
-        self.book.claim_selected(namespace, name, &node).is_some()
+        match self.index.counted_on(&key) {
+            Some(node) => self.book.claim_selected(namespace, name, node).is_some(),
+            None => false,
+        }
     }
 
     /// Applies a pod; `true` when it was bound and its inline entries ended (the index counts
@@ -160,10 +185,14 @@ impl ExtenderState {
     /// The pod's pending demand, from the index alone (no lookups on the request path).
     pub fn demand(&self, pod: &Pod) -> Demand {
         let namespace = pod.metadata.namespace.as_deref().unwrap_or_default();
+        self.demand_from(pod, &self.facts(pod, namespace))
+    }
+
+    fn demand_from(&self, pod: &Pod, facts: &VolumeFacts) -> Demand {
+        let namespace = pod.metadata.namespace.as_deref().unwrap_or_default();
         let uid = pod.metadata.uid.as_deref().unwrap_or_default();
-        let facts = self.facts(pod, namespace);
         let mut demand = Demand::default();
-        for volume in pod_volumes::pending_volumes(pod, namespace, self.index.driver(), &facts) {
+        for volume in pod_volumes::pending_volumes(pod, namespace, self.index.driver(), facts) {
             let size = volume
                 .size
                 .filter(|s| *s > 0)
@@ -246,9 +275,18 @@ impl ExtenderState {
             self.index
                 .usage_into(node, &demand.own_claims, &mut view.unreflected);
         let published = published?;
-        view.reserved = self
-            .book
+        // The book holds requested sizes, since a reservation spans nodes whose alignments
+        // differ; each counts here as the node will allocate it. Unaligned, 19 reservations of
+        // 50 MiB on a node of 4 MiB extents hid 38 MiB: room for a 20th volume that was not there.
+        let from = view.unreflected.len();
+        self.book
             .reserved_into(&published.id, pod_uid, &mut view.unreflected);
+        let mut reserved = 0u64;
+        for size in view.unreflected.iter_mut().skip(from) {
+            *size = capacity_index::align(*size, published.alignment);
+            reserved = reserved.saturating_add(*size);
+        }
+        view.reserved = reserved;
         view.pools.clear();
         view.pools.extend_from_slice(published.pools);
         view.managed = published.managed.unwrap_or(u64::MAX);
@@ -306,7 +344,15 @@ impl ExtenderState {
             request.pod.metadata.name.as_deref().unwrap_or_default()
         );
         let uid = request.pod_uid.clone();
-        let demand = self.demand(&request.pod);
+        let namespace = request
+            .pod
+            .metadata
+            .namespace
+            .as_deref()
+            .unwrap_or_default();
+        let facts = self.facts(&request.pod, namespace);
+        let unseen = pod_volumes::first_unseen(&request.pod, namespace, &facts);
+        let demand = self.demand_from(&request.pod, &facts);
         let mut outcome = FilterOutcome {
             pod,
             result: ExtenderFilterResult::default(),
@@ -314,7 +360,19 @@ impl ExtenderState {
             rejections: BTreeMap::new(),
             event: None,
             details: BTreeMap::new(),
+            deferred: None,
         };
+        if let Some(unseen) = unseen {
+            // kube-scheduler asks only once its own caches hold every claim and class of the
+            // pod, so ours are behind. Read as "not ours", the claim would pass every node
+            // without a reservation; an error makes the scheduler retry the pod after a backoff.
+            self.book.pod_deleted(&uid);
+            outcome.result = ExtenderFilterResult::from_error(format!(
+                "the PMEM scheduler extender has not seen {unseen} yet; retry"
+            ));
+            outcome.deferred = Some(unseen);
+            return outcome;
+        }
         if demand.sizes.is_empty() {
             // Filtered again without demand (its claims got bound meanwhile): nothing to hold.
             self.book.pod_deleted(&uid);
@@ -432,6 +490,8 @@ impl ExtenderState {
                 .filter_map(|v| self.index.pod(&v.uid))
                 .filter(|p| p.node.as_deref() == Some(node) && !p.terminated)
                 .flat_map(|p| p.inline.iter().map(|(_, size)| *size))
+                // `allocated` counts them aligned; so must what leaves it.
+                .map(|size| capacity_index::align(size, view.alignment))
                 .collect();
             let freed_total = freed.iter().fold(0, |s: u64, v| s.saturating_add(*v));
             view.allocated = view.allocated.saturating_sub(freed_total);
@@ -452,5 +512,127 @@ fn claim_facts(record: &ClaimRecord) -> ClaimFacts {
         storage_class: record.class.clone().filter(|c| !c.is_empty()),
         provisioner_annotation: record.provisioner.clone(),
         size: Some(record.request).filter(|s| *s > 0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::extender_api::decode_request;
+    use crate::test_objects::{
+        DRIVER, GI, MI, claim_pod, class, managed_capacity, sized_claim, volume,
+    };
+
+    const ALWAYS_RUNNING: &dyn Fn(&str) -> bool = &|_| false;
+
+    /// A state with class `late` and `nodes` publishing `free` and `managed`.
+    fn state(nodes: &[&str], free: &str, managed: Option<u64>) -> ExtenderState {
+        let mut state = ExtenderState::new(DRIVER, GI, Duration::from_secs(600));
+        state
+            .index
+            .apply_class(&class("late", DRIVER, "WaitForFirstConsumer"));
+        for node in nodes {
+            state.index.apply_capacity(&managed_capacity(
+                &format!("cap-{node}"),
+                node,
+                free,
+                None,
+                managed,
+            ));
+        }
+        state
+    }
+
+    /// Filters pod `name` (using claim `name`) over `nodes`.
+    fn filter_outcome(state: &mut ExtenderState, name: &str, nodes: &[&str]) -> FilterOutcome {
+        let body = serde_json::json!({ "Pod": claim_pod(name), "NodeNames": nodes });
+        let request = decode_request(body.to_string().as_bytes()).expect("valid request");
+        state.filter(
+            request,
+            ALWAYS_RUNNING,
+            Placement::ReserveAll,
+            ScorePolicy::MostFree,
+            Instant::now(),
+        )
+    }
+
+    /// [`filter_outcome`]'s nodes that passed.
+    fn filter(state: &mut ExtenderState, name: &str, nodes: &[&str]) -> Vec<String> {
+        filter_outcome(state, name, nodes)
+            .result
+            .node_names
+            .map(|n| n.iter().map(|s| s.to_string()).collect())
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn reservations_count_as_the_node_aligns_them() {
+        // 19 volumes of 50 MiB take 19 × 52 MiB on a node of 4 MiB extents: 36 MiB of 1 GiB
+        // are left, no room for a 20th. Each view alone must see it.
+        for (name, free, managed) in [("cap view", "10Gi", Some(GI)), ("pool view", "1Gi", None)] {
+            let mut state = state(&["n1"], free, managed);
+            for i in 0..20 {
+                let pod = format!("p{i}");
+                state.apply_claim(&sized_claim(&pod, "late", "50Mi", None, None));
+                let passed = filter(&mut state, &pod, &["n1"]);
+                assert_eq!(passed.is_empty(), i == 19, "{name}: pod {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn allocations_and_reservations_fill_a_node_together() {
+        let mut state = state(&["n1"], "10Gi", Some(GI));
+        for i in 0..10 {
+            let pod = format!("a{i}");
+            state.apply_claim(&sized_claim(&pod, "late", "50Mi", Some("n1"), None));
+        }
+        for i in 0..10 {
+            let pod = format!("r{i}");
+            state.apply_claim(&sized_claim(&pod, "late", "50Mi", None, None));
+            let passed = filter(&mut state, &pod, &["n1"]);
+            assert_eq!(passed.is_empty(), i == 9, "pod {i}");
+        }
+        // Half of them provisioned, their claims bound before the PVs are seen: still full.
+        for i in 0..5 {
+            let pod = format!("a{i}");
+            let pv = format!("pv-{pod}");
+            state.apply_claim(&sized_claim(&pod, "late", "50Mi", Some("n1"), Some(&pv)));
+        }
+        state.apply_claim(&sized_claim("late", "late", "50Mi", None, None));
+        assert!(filter(&mut state, "late", &["n1"]).is_empty());
+    }
+
+    #[test]
+    fn a_claim_not_seen_yet_defers_the_pod_without_reserving() {
+        let mut state = state(&["n1"], "10Gi", Some(GI));
+        let outcome = filter_outcome(&mut state, "p", &["n1"]);
+        assert_eq!(
+            outcome.result.error,
+            "the PMEM scheduler extender has not seen PersistentVolumeClaim ns/p yet; retry"
+        );
+        assert!(outcome.result.node_names.is_none_or(|n| n.is_empty()));
+        assert_eq!(outcome.event, None);
+        assert_eq!(state.reserved_bytes(), 0);
+        // Once seen, it is filtered as usual.
+        state.apply_claim(&sized_claim("p", "late", "100Mi", None, None));
+        assert_eq!(filter(&mut state, "p", &["n1"]), ["n1"]);
+    }
+
+    #[test]
+    fn a_volume_seen_before_its_selected_claim_ends_the_entry() {
+        let mut state = state(&["n1", "n2"], "10Gi", Some(GI));
+        state.apply_claim(&sized_claim("p", "late", "100Mi", None, None));
+        assert_eq!(filter(&mut state, "p", &["n1", "n2"]), ["n1", "n2"]);
+        assert_eq!(state.reserved_bytes(), 200 * MI, "held on both nodes");
+        assert!(state.apply_volume(&volume("pv-p", "n1", "100Mi", Some("p"))));
+        assert_eq!(state.reserved_bytes(), 0);
+        assert!(
+            !state.apply_claim(&sized_claim("p", "late", "100Mi", Some("n1"), None)),
+            "handed over once"
+        );
+        assert!(!state.apply_volume(&volume("pv-p", "n1", "100Mi", Some("p"))));
+        let n2 = state.view("n2", &Demand::default(), "other").expect("n2");
+        assert_eq!((n2.allocated, n2.reserved), (0, 0), "n2 is free again");
     }
 }

@@ -307,6 +307,43 @@ pub fn pending_volumes(
     pending
 }
 
+/// Something a pod's volumes name that the looked-up facts lack.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Unseen {
+    /// A claim the pod names.
+    Claim(ClaimKey),
+    /// The class of an unbound claim the pod names.
+    Class(String),
+}
+
+impl std::fmt::Display for Unseen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Unseen::Claim(key) => write!(f, "PersistentVolumeClaim {}/{}", key.namespace, key.name),
+            Unseen::Class(name) => write!(f, "StorageClass {name}"),
+        }
+    }
+}
+
+/// The first claim, or class of an unbound claim, that the pod names and `facts` lack.
+/// [`pending_volumes`] reads a missing one as "not ours"; a caller whose facts come from
+/// watches alone must not, when its asker has seen them (kube-scheduler calls its extenders
+/// only after its own volume binding found every claim and class). Generic ephemeral volumes
+/// are not listed: their template stands in for a claim not seen yet.
+pub fn first_unseen(pod: &Pod, namespace: &str, facts: &VolumeFacts) -> Option<Unseen> {
+    volumes(pod).iter().find_map(|volume| {
+        let Kind::Claim(name) = classify(volume) else {
+            return None;
+        };
+        let Some(claim) = claim_facts(facts, namespace, name) else {
+            return Some(Unseen::Claim(ClaimKey::new(namespace, name)));
+        };
+        let class = claim.storage_class.as_ref().filter(|_| !claim.bound)?;
+        let known = facts.classes.get(class).is_some_and(Option::is_some);
+        (!known).then(|| Unseen::Class(class.clone()))
+    })
+}
+
 /// Whether `class` carries a default-class annotation with value `"true"`.
 pub fn is_default_class(class: &StorageClass) -> bool {
     class.metadata.annotations.as_ref().is_some_and(|a| {
@@ -456,81 +493,11 @@ fn non_empty(text: Option<&str>) -> Option<String> {
     text.filter(|t| !t.is_empty()).map(str::to_string)
 }
 
-/// Builders for pods, claims and classes shared by this crate's tests.
-#[cfg(test)]
-pub(crate) mod test_objects {
-    use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
-    use serde_json::{Value, json};
-
-    pub(crate) const DRIVER: &str = "pmem-csi.intel.com";
-
-    /// A pod with one container and the given volumes (as JSON).
-    pub(crate) fn pod(volumes: Vec<Value>) -> Pod {
-        pod_json(json!({
-            "metadata": {"name": "app", "namespace": "ns", "uid": "uid-1"},
-            "spec": {"containers": [{"name": "c", "image": "busybox"}], "volumes": volumes},
-        }))
-    }
-
-    /// A pod from its JSON form.
-    pub(crate) fn pod_json(value: Value) -> Pod {
-        serde_json::from_value(value).expect("test pod decodes")
-    }
-
-    pub(crate) fn pvc_volume(name: &str, claim: &str) -> Value {
-        json!({"name": name, "persistentVolumeClaim": {"claimName": claim}})
-    }
-
-    pub(crate) fn inline_volume(name: &str, driver: &str, size: Option<&str>) -> Value {
-        let mut csi = json!({"driver": driver});
-        if let Some(size) = size {
-            csi["volumeAttributes"] = json!({"size": size});
-        }
-        json!({"name": name, "csi": csi})
-    }
-
-    pub(crate) fn ephemeral_volume(name: &str, class: Option<&str>, size: Option<&str>) -> Value {
-        let mut spec = json!({"accessModes": ["ReadWriteOnce"]});
-        if let Some(class) = class {
-            spec["storageClassName"] = json!(class);
-        }
-        if let Some(size) = size {
-            spec["resources"] = json!({"requests": {"storage": size}});
-        }
-        json!({"name": name, "ephemeral": {"volumeClaimTemplate": {"spec": spec}}})
-    }
-
-    /// A claim in namespace `ns`.
-    pub(crate) fn claim(
-        name: &str,
-        class: Option<&str>,
-        volume_name: Option<&str>,
-        annotation: Option<&str>,
-        size: Option<&str>,
-    ) -> PersistentVolumeClaim {
-        let mut value = json!({"metadata": {"name": name, "namespace": "ns"}, "spec": {}});
-        if let Some(class) = class {
-            value["spec"]["storageClassName"] = json!(class);
-        }
-        if let Some(volume) = volume_name {
-            value["spec"]["volumeName"] = json!(volume);
-        }
-        if let Some(provisioner) = annotation {
-            value["metadata"]["annotations"] =
-                json!({"volume.kubernetes.io/storage-provisioner": provisioner});
-        }
-        if let Some(size) = size {
-            value["spec"]["resources"] = json!({"requests": {"storage": size}});
-        }
-        serde_json::from_value(value).expect("test claim decodes")
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use super::test_objects::*;
     use super::*;
-    use serde_json::json;
+    use crate::test_objects::json::*;
+    use serde_json::{Value, json};
 
     const GI: u64 = 1 << 30;
 
@@ -921,6 +888,97 @@ mod tests {
         assert_eq!(claims_to_look_up(&pod, "ns"), vec![]);
         let facts = facts(vec![], vec![("pmem", late())], None);
         assert_eq!(pending_volumes(&pod, "ns", DRIVER, &facts).len(), 1);
+    }
+
+    #[test]
+    fn first_unseen_table() {
+        let known = |claim: PersistentVolumeClaim| {
+            let name = claim.metadata.name.clone().unwrap_or_default();
+            (name, Some(claim))
+        };
+        type Case = (
+            &'static str,
+            Vec<Value>,
+            Vec<(String, Option<PersistentVolumeClaim>)>,
+            Option<Unseen>,
+        );
+        let cases: Vec<Case> = vec![
+            ("no volumes", vec![], vec![], None),
+            (
+                "claim not seen",
+                vec![pvc_volume("a", "c1")],
+                vec![],
+                Some(Unseen::Claim(ClaimKey::new("ns", "c1"))),
+            ),
+            (
+                "claim looked up, not found",
+                vec![pvc_volume("a", "c1")],
+                vec![("c1".into(), None)],
+                Some(Unseen::Claim(ClaimKey::new("ns", "c1"))),
+            ),
+            (
+                "unbound claim of a class not seen",
+                vec![pvc_volume("a", "c1")],
+                vec![known(claim("c1", Some("new"), None, None, None))],
+                Some(Unseen::Class("new".into())),
+            ),
+            (
+                "bound claim of a class not seen",
+                vec![pvc_volume("a", "c1")],
+                vec![known(claim("c1", Some("new"), Some("pv"), None, None))],
+                None,
+            ),
+            (
+                "unbound claim of a known class",
+                vec![pvc_volume("a", "c1")],
+                vec![known(claim("c1", Some("pmem"), None, None, None))],
+                None,
+            ),
+            (
+                "claim without class",
+                vec![pvc_volume("a", "c1")],
+                vec![known(claim("c1", None, None, None, None))],
+                None,
+            ),
+            (
+                "the first of several",
+                vec![
+                    pvc_volume("a", "c1"),
+                    pvc_volume("b", "c2"),
+                    pvc_volume("c", "c3"),
+                ],
+                vec![known(claim("c1", Some("pmem"), None, None, None))],
+                Some(Unseen::Claim(ClaimKey::new("ns", "c2"))),
+            ),
+            (
+                "ephemeral claim not seen: its template stands in",
+                vec![ephemeral_volume("e", Some("pmem"), Some("1Gi"))],
+                vec![],
+                None,
+            ),
+            (
+                "inline",
+                vec![inline_volume("i", DRIVER, None)],
+                vec![],
+                None,
+            ),
+        ];
+        for (name, volumes, claims, want) in cases {
+            let facts = VolumeFacts {
+                claims: claims
+                    .into_iter()
+                    .map(|(n, c)| (ClaimKey::new("ns", n), c.as_ref().map(ClaimFacts::from)))
+                    .collect(),
+                classes: [("pmem".to_string(), late())].into(),
+                default_class: None,
+            };
+            assert_eq!(first_unseen(&pod(volumes), "ns", &facts), want, "{name}");
+        }
+        assert_eq!(
+            Unseen::Claim(ClaimKey::new("ns", "c1")).to_string(),
+            "PersistentVolumeClaim ns/c1"
+        );
+        assert_eq!(Unseen::Class("x".into()).to_string(), "StorageClass x");
     }
 
     #[test]

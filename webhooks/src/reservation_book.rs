@@ -4,8 +4,8 @@
 //! A reservation belongs to one pod (by uid) and holds one entry per pending volume, reserved on
 //! every node the filter returned. Entries end one by one, each at the moment the index starts
 //! counting the same bytes as `allocated`:
-//! - a claim entry when its PVC shows `volume.kubernetes.io/selected-node`
-//!   ([`ReservationBook::claim_selected`]);
+//! - a claim entry when its PVC shows `volume.kubernetes.io/selected-node`, or its PV appears
+//!   first ([`ReservationBook::claim_selected`]);
 //! - an inline entry when its pod is bound ([`ReservationBook::pod_bound`]).
 //!
 //! **Hand-over rule for callers:** the book and the index must be updated under the same lock,
@@ -53,7 +53,7 @@ pub enum EntryKey {
 pub struct Entry {
     /// Which volume.
     pub key: EntryKey,
-    /// Its aligned size in bytes.
+    /// Its requested size in bytes; each node's fit rounds it up to that node's alignment.
     pub size: u64,
 }
 
