@@ -40,6 +40,9 @@ pub struct Scale {
     pub bound_pods_per_node: usize,
     /// How long an arm of the storage-bound benchmark may take.
     pub arm_deadline: Duration,
+    /// Runs of each storage-bound arm, alternating (both arms wait on the same throttled
+    /// provisioners, so one run each compared noise with noise).
+    pub bound_samples: usize,
 }
 
 impl Scale {
@@ -51,6 +54,7 @@ impl Scale {
             bound_nodes: 10,
             bound_pods_per_node: 19,
             arm_deadline: Duration::from_secs(15 * 60),
+            bound_samples: 3,
         }
     }
 
@@ -62,6 +66,7 @@ impl Scale {
             bound_nodes: 2,
             bound_pods_per_node: 2,
             arm_deadline: Duration::from_secs(180),
+            bound_samples: 1,
         }
     }
 }
@@ -537,56 +542,100 @@ async fn storage_bound_arm(scale: &Scale, with_extender: bool) -> anyhow::Result
 /// The storage-bound A/B benchmark.
 pub async fn storage_bound(scale: &Scale) -> anyhow::Result<Vec<Benchmark>> {
     let pods = scale.bound_nodes * scale.bound_pods_per_node;
-    let a = storage_bound_arm(scale, false).await?;
-    let b = storage_bound_arm(scale, true).await?;
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for _ in 0..scale.bound_samples.max(1) {
+        a.push(storage_bound_arm(scale, false).await?);
+        b.push(storage_bound_arm(scale, true).await?);
+    }
     let a_name = "storage-bound-capacity-tracking";
     let setting = format!(
-        "{pods} pods with one {BOUND_VOLUME} claim each on {} nodes that hold exactly {} each",
-        scale.bound_nodes, scale.bound_pods_per_node
+        "{pods} pods with one {BOUND_VOLUME} claim each on {} nodes that hold exactly {} each, {} runs per arm alternating",
+        scale.bound_nodes,
+        scale.bound_pods_per_node,
+        a.len()
     );
+    let not_running = |arm: &Arm| (pods - arm.running.min(pods)) as u64;
+    let list = |arms: &[Arm], f: &dyn Fn(&Arm) -> u64| {
+        arms.iter()
+            .map(|arm| f(arm).to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     Ok(vec![
         Benchmark {
             name: a_name.into(),
             description: format!(
-                "(a) capacity tracking alone (no webhook, no extender): first create → every pod Running, or the deadline; {setting}; secondary: ResourceExhausted CreateVolume results ({} running, {} ProvisioningFailed events)",
-                a.running, a.provisioning_failed
+                "(a) capacity tracking alone (no webhook, no extender): first create → every pod Running, or the deadline; {setting}; secondary: ResourceExhausted CreateVolume results per run (not running: {}; ProvisioningFailed events: {})",
+                list(&a, &not_running),
+                list(&a, &|arm| arm.provisioning_failed as u64),
             ),
             unit: "s".into(),
-            samples: vec![a.took.as_secs_f64()],
-            secondary: vec![a.exhausted as f64],
+            samples: a.iter().map(|arm| arm.took.as_secs_f64()).collect(),
+            secondary: a.iter().map(|arm| arm.exhausted as f64).collect(),
             target: Target::none(),
-            flags: a.flags,
+            flags: arm_flags(&a),
         },
         Benchmark {
             name: "storage-bound-extender".into(),
             description: format!(
-                "(b) webhook + extender: first create → every pod Running; {setting}; no slower than (a) unless (a) did not finish"
+                "(b) webhook + extender: first create → every pod Running; {setting}; p50 no slower than (a)'s unless (a) did not finish"
             ),
             unit: "s".into(),
-            samples: vec![b.took.as_secs_f64()],
+            samples: b.iter().map(|arm| arm.took.as_secs_f64()).collect(),
             secondary: Vec::new(),
             target: Target {
                 p50_at_most_of: Some(a_name.into()),
                 ..Target::none()
             },
-            flags: b.flags.clone(),
+            flags: arm_flags(&b),
         },
         Benchmark {
             name: "storage-bound-extender-failures".into(),
             description: format!(
-                "(b) pods not Running + ResourceExhausted CreateVolume results + expired reservations (must all be 0): {} not running, {} exhausted, {} expired",
-                pods - b.running.min(pods),
-                b.exhausted,
-                b.expired
+                "(b) per run: pods not Running + ResourceExhausted CreateVolume results + expired reservations (must all be 0): not running {}; exhausted {}; expired {}",
+                list(&b, &not_running),
+                list(&b, &|arm| arm.exhausted),
+                list(&b, &|arm| arm.expired),
             ),
             unit: "".into(),
-            samples: vec![((pods - b.running.min(pods)) as u64 + b.exhausted + b.expired) as f64],
+            samples: b
+                .iter()
+                .map(|arm| (not_running(arm) + arm.exhausted + arm.expired) as f64)
+                .collect(),
             secondary: Vec::new(),
             target: Target {
                 max: Some(0.0),
                 ..Target::none()
             },
-            flags: serde_json::json!({"finished": b.finished}),
+            flags: serde_json::json!({"finished": b.iter().all(|arm| arm.finished)}),
         },
     ])
+}
+
+/// The flags of an arm's runs: the first run's, with `finished` true only when every run
+/// finished and the per-run outcomes listed.
+fn arm_flags(arms: &[Arm]) -> serde_json::Value {
+    let mut flags = arms
+        .first()
+        .map(|arm| arm.flags.clone())
+        .unwrap_or_default();
+    if let Some(map) = flags.as_object_mut() {
+        map.insert(
+            "finished".into(),
+            arms.iter().all(|arm| arm.finished).into(),
+        );
+        for key in [
+            "running",
+            "resource_exhausted_creates",
+            "provisioning_failed_events",
+            "expired_reservations",
+        ] {
+            let runs: Vec<serde_json::Value> = arms
+                .iter()
+                .map(|arm| arm.flags.get(key).cloned().unwrap_or_default())
+                .collect();
+            map.insert(key.into(), runs.into());
+        }
+    }
+    flags
 }
