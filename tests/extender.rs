@@ -57,11 +57,12 @@ async fn start(args: &[&str]) -> (TestEnv, kube::Client) {
     (env, client)
 }
 
-/// Publishes `pools` (free bytes per pool) for each node, like the nodes' publishers.
+/// Publishes `pools` (free bytes per pool) for each node, like the nodes' publishers of nodes
+/// with nothing allocated (the extender reads `managed − Σ free` as what the node allocated).
 async fn publish(client: &kube::Client, budgets: &[(&str, &[u64])]) {
     let api = Api::<CSIStorageCapacity>::namespaced(client.clone(), "pmem-csi");
     for (node, pools) in budgets {
-        let managed = 64 * GI;
+        let managed = pools.iter().sum();
         objects::apply(
             &api,
             &objects::published_capacity("pmem-csi", DRIVER, node, CLASS, pools, managed),
