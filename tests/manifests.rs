@@ -50,13 +50,16 @@ fn every_kustomization_renders_and_the_api_server_accepts_it() {
             with_component(scratch.path(), "emulated-ext", manifests::OVERLAY),
         ),
         ("examples", repo().join("manifests/examples")),
+        // Two ConfigMaps: the alert rules and the Grafana dashboard.
+        ("monitoring", repo().join("manifests/monitoring")),
     ];
     for (name, dir) in dirs {
+        let least = if name == "monitoring" { 2 } else { 3 };
         let yaml = manifests::kustomize(&kubectl, &dir)
             .unwrap_or_else(|e| panic!("{name} does not render: {e}"));
         let rendered = Rendered::from_yaml(&yaml).expect("YAML");
         assert!(
-            rendered.objects().len() >= 3,
+            rendered.objects().len() >= least,
             "{name}: only {} objects",
             rendered.objects().len()
         );

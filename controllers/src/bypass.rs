@@ -130,11 +130,13 @@ pub fn pod_facts(pod: &Pod, driver: &str, relevance: impl FnOnce(&Pod) -> bool) 
 // What the reconciler remembers between reconciles.
 // ---------------------------------------------------------------------------------------------
 
-/// Per pod UID: whether it is bypassed now, and whether its Event went out.
+/// Per pod UID: whether it is bypassed now, whether its Event went out, and whether it waits
+/// for the scheduler carrying the extender's resource.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct Flag {
     bypassed: bool,
     published: bool,
+    marked: bool,
 }
 
 /// The pods judged bypassed, by UID, and which of them got their Event. In memory only: a new
@@ -155,13 +157,21 @@ impl FlaggedPods {
             Verdict::Bypassed => {
                 let flag = self.pods.entry(uid.to_string()).or_default();
                 flag.bypassed = true;
+                flag.marked = false;
                 !flag.published
+            }
+            Verdict::Fine(FineReason::HasResource) => {
+                let flag = self.pods.entry(uid.to_string()).or_default();
+                flag.bypassed = false;
+                flag.marked = true;
+                false
             }
             Verdict::Fine(_) => {
                 // Keep the "published" mark while the pod exists: a pod whose claims flip
                 // between pending and not must not warn twice.
                 if let Some(flag) = self.pods.get_mut(uid) {
                     flag.bypassed = false;
+                    flag.marked = false;
                     if !flag.published {
                         self.pods.remove(uid);
                     }
@@ -186,6 +196,11 @@ impl FlaggedPods {
     /// How many pods are bypassed now.
     pub fn count(&self) -> usize {
         self.pods.values().filter(|f| f.bypassed).count()
+    }
+
+    /// How many pending pods carry the extender's resource now.
+    pub fn marked(&self) -> usize {
+        self.pods.values().filter(|f| f.marked).count()
     }
 
     /// Follows the pod watch (unscheduled pods only): a deleted event means the pod is gone or
@@ -235,10 +250,11 @@ pub enum BypassError {
     },
 }
 
-/// The bypass gauge (`pmem_csi_pods_bypassed`).
+/// The bypass gauges (`pmem_csi_pods_bypassed`, `pmem_csi_pods_pending_with_scheduler_resource`).
 #[derive(Clone, Debug, Default)]
 pub struct BypassMetrics {
     pods_bypassed: Gauge,
+    pods_marked: Gauge,
 }
 
 impl BypassMetrics {
@@ -250,6 +266,14 @@ impl BypassMetrics {
             "Pending pods that use PMEM-CSI volumes but were admitted without the scheduler \
              extender's resource while the pod webhook was unreachable",
             m.pods_bypassed.clone(),
+        );
+        // With the extender missing from kube-scheduler's configuration these pods fit no
+        // node; alerting on them needs no kube-state-metrics.
+        registry.register(
+            "pmem_csi_pods_pending_with_scheduler_resource",
+            "Unscheduled pods carrying the scheduler extender's resource, which kube-scheduler \
+             places only through the extender",
+            m.pods_marked.clone(),
         );
         m
     }
@@ -269,6 +293,9 @@ impl Tally {
         self.metrics
             .pods_bypassed
             .set(i64::try_from(flagged.count()).unwrap_or(i64::MAX));
+        self.metrics
+            .pods_marked
+            .set(i64::try_from(flagged.marked()).unwrap_or(i64::MAX));
         result
     }
 }
@@ -750,5 +777,30 @@ mod tests {
         assert!(encode(&registry).contains("\npmem_csi_pods_bypassed 2\n"));
         tally.update(|f| f.on_watch_event(&watcher::Event::Delete(pod("a"))));
         assert!(encode(&registry).contains("\npmem_csi_pods_bypassed 1\n"));
+        tally.update(|f| {
+            f.observe("m", &Verdict::Fine(FineReason::HasResource));
+        });
+        let text = encode(&registry);
+        assert!(
+            text.contains("\npmem_csi_pods_pending_with_scheduler_resource 1\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn marked_pods_are_counted_while_they_wait() {
+        let mut f = FlaggedPods::default();
+        let marked = Verdict::Fine(FineReason::HasResource);
+        assert!(!f.observe("a", &marked), "no event for marked pods");
+        f.observe("b", &marked);
+        assert_eq!((f.marked(), f.count()), (2, 0));
+        f.observe("a", &Verdict::Fine(FineReason::NotPending));
+        assert_eq!(f.marked(), 1, "scheduled");
+        f.on_watch_event(&watcher::Event::Delete(pod("b")));
+        assert_eq!(f.marked(), 0, "gone");
+        f.observe("c", &marked);
+        f.on_watch_event(&watcher::Event::Init);
+        f.on_watch_event(&watcher::Event::InitDone);
+        assert_eq!(f.marked(), 0, "vanished while the watch was down");
     }
 }

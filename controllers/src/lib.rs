@@ -23,6 +23,7 @@ pub mod readiness;
 pub mod reconcile_metrics;
 pub mod rescheduler;
 pub mod stores;
+pub mod waiting_claims;
 
 pub use admin::{AdminError, AdminServer};
 pub use capacity_source::{CapacitySource, NodeCapacity, PoolCapacity};

@@ -25,6 +25,9 @@ use crate::liveness::{DriverlessReason, Liveness};
 use crate::liveness_view::LivenessView;
 use crate::reconcile_metrics::{ReconcileMetrics, ReconcileResult};
 use crate::stores::Stores;
+use crate::waiting_claims::{
+    SCAN_INTERVAL, WaitingClaims, WaitingClaimsMetrics, waits_on_selected_node,
+};
 
 /// The annotation the scheduler sets and the rescheduler removes.
 pub const SELECTED_NODE: &str = "volume.kubernetes.io/selected-node";
@@ -161,6 +164,7 @@ pub enum RescheduleError {
 #[derive(Clone, Debug)]
 pub struct ReschedulerMetrics {
     decisions: Family<DecisionLabels, Counter>,
+    waiting: WaitingClaimsMetrics,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -203,7 +207,10 @@ impl ReschedulerMetrics {
                 reason: reason.as_str().into(),
             });
         }
-        Self { decisions }
+        Self {
+            decisions,
+            waiting: WaitingClaimsMetrics::register(registry),
+        }
     }
 
     fn count(&self, verdict: &str, reason: &str) {
@@ -281,11 +288,17 @@ impl Rescheduler {
         shutdown: CancellationToken,
     ) {
         let claims = self.stores.claims.clone();
-        Controller::for_shared_stream(trigger, claims)
+        let scan = scan_waiting(
+            self.stores.clone(),
+            self.liveness.settings().driver.clone(),
+            self.metrics.waiting.clone(),
+            shutdown.clone(),
+        );
+        let controller = Controller::for_shared_stream(trigger, claims)
             .graceful_shutdown_on(shutdown.cancelled_owned())
             .run(reconcile, error_policy, Arc::new(self))
-            .for_each(|_| async {})
-            .await;
+            .for_each(|_| async {});
+        tokio::join!(controller, scan);
     }
 
     async fn reconcile(&self, claim: &PersistentVolumeClaim) -> Result<Action, RescheduleError> {
@@ -376,6 +389,32 @@ impl Rescheduler {
         }
         Ok(Action::await_change())
     }
+}
+
+/// Scans the claim cache for claims waiting on their selected node until `shutdown`, then
+/// zeroes the gauge: only the leader reports.
+async fn scan_waiting(
+    stores: Stores,
+    driver: String,
+    gauge: WaitingClaimsMetrics,
+    shutdown: CancellationToken,
+) {
+    let mut claims = WaitingClaims::default();
+    let mut tick = tokio::time::interval(SCAN_INTERVAL);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = tick.tick() => {}
+        }
+        let waiting = stores
+            .claims
+            .state()
+            .into_iter()
+            .filter(|c| waits_on_selected_node(&claim_facts(c, &stores.classes), &driver))
+            .filter_map(|c| c.metadata.uid.clone());
+        gauge.set(claims.observe(waiting, std::time::Instant::now()));
+    }
+    gauge.set(Duration::ZERO);
 }
 
 async fn reconcile(

@@ -112,6 +112,21 @@ impl Tools {
 }
 
 /// Test executables live in `target/<profile>/deps`, binaries in `target/<profile>`.
+/// The directory of `tools/ops-tools.sh` (Prometheus, promtool, shellcheck, tsc):
+/// `PMEM_CSI_OPS_TOOLS_DIR`, else what the script prints (empty when it cannot run).
+pub fn ops_tools_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("PMEM_CSI_OPS_TOOLS_DIR") {
+        return PathBuf::from(dir);
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tools/ops-tools.sh");
+    std::process::Command::new("bash")
+        .arg(script)
+        .arg("--print-dir")
+        .output()
+        .map(|out| PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+        .unwrap_or_default()
+}
+
 fn own_binary_beside_current_exe() -> PathBuf {
     let exe = std::env::current_exe().unwrap_or_default();
     let mut dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();

@@ -85,6 +85,20 @@ impl ExtenderMetrics {
             reserved_bytes: Gauge::default(),
             deferred: Counter::default(),
         };
+        // Every event exists from the start, at zero: `expired` is alerted on, and a counter
+        // that appears only with its first increment hides that increment from rate().
+        for event in [
+            ReservationEvent::Reserved,
+            ReservationEvent::NoDemand,
+            ReservationEvent::HandedOver,
+            ReservationEvent::Bound,
+            ReservationEvent::Released,
+            ReservationEvent::Expired,
+        ] {
+            let _ = m.reservations.get_or_create(&Event {
+                event: event.as_str().into(),
+            });
+        }
         // Counters are registered without `_total`; the encoder appends it.
         registry.register(
             "pmem_csi_extender_requests",
@@ -192,6 +206,7 @@ mod tests {
             r#"pmem_csi_reservations_total{event="no-demand"} 1"#,
             "pmem_csi_reserved_bytes 9223372036854775807",
             "pmem_csi_extender_deferred_pods_total 1",
+            r#"pmem_csi_reservations_total{event="expired"} 0"#,
         ] {
             assert!(text.contains(want), "{want} missing in\n{text}");
         }

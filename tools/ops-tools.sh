@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Fetches the tools the deployment tests run, into a per-machine cache outside the repository:
+# Prometheus and promtool (Debian's prometheus) and shellcheck from this machine's Debian release,
+# unpacked without installing; TypeScript and Grafana's schema package from npm at pinned versions.
+#
+# usage: tools/ops-tools.sh [--print-dir]
+#   --print-dir  print the directory holding the tools and exit
+set -euo pipefail
+
+TYPESCRIPT_VERSION=5.9.3
+GRAFANA_SCHEMA_VERSION=13.2.3
+DEBIAN_PACKAGES=(prometheus shellcheck)
+
+# shellcheck source=/dev/null
+codename=$(. /etc/os-release && echo "${VERSION_CODENAME:?no VERSION_CODENAME in /etc/os-release}")
+cache_root=${XDG_CACHE_HOME:-$HOME/.cache}/pmem-csi/tools
+dir=$cache_root/ops-$codename.ts-$TYPESCRIPT_VERSION.grafana-schema-$GRAFANA_SCHEMA_VERSION
+
+if [[ ${1:-} == --print-dir ]]; then
+    echo "$dir"
+    exit 0
+fi
+
+mkdir -p "$cache_root"
+exec 9>"$cache_root/.ops-lock"
+flock 9
+
+if [[ -x $dir/bin/promtool && -x $dir/bin/shellcheck && -x $dir/npm/node_modules/.bin/tsc ]]; then
+    exit 0
+fi
+rm -rf "$dir"
+mkdir -p "$dir/debs" "$dir/bin"
+for package in "${DEBIAN_PACKAGES[@]}"; do
+    # apt drops privileges to _apt, which cannot write into a root-owned cache.
+    (cd "$dir/debs" && apt-get download -q -o APT::Sandbox::User=root "$package")
+    debs=("$dir/debs/${package}"_*.deb)
+    dpkg-deb -x "${debs[-1]}" "$dir/unpacked"
+done
+for tool in prometheus promtool shellcheck; do
+    ln -s "../unpacked/usr/bin/$tool" "$dir/bin/$tool"
+done
+mkdir -p "$dir/npm"
+(cd "$dir/npm" && npm install --no-audit --no-fund --silent \
+    "typescript@$TYPESCRIPT_VERSION" "@grafana/schema@$GRAFANA_SCHEMA_VERSION")
+"$dir/bin/promtool" --version | head -1
+"$dir/bin/shellcheck" --version | sed -n 2p
+"$dir/npm/node_modules/.bin/tsc" --version
