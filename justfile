@@ -4,13 +4,17 @@ set shell := ["bash", "-euo", "pipefail", "-c"]
 
 # Every test binary finds the pinned Go tools and our binary through these.
 export PMEM_CSI_TOOLS_DIR := `bash tools/build.sh --print-dir`
+# Prometheus, promtool, shellcheck (Debian) and tsc with Grafana's schema (npm).
+export PMEM_CSI_OPS_TOOLS_DIR := `bash tools/ops-tools.sh --print-dir`
+target_dir := env_var_or_default("CARGO_TARGET_DIR", justfile_directory() / "target")
 
 default:
     @just --list
 
-# Build the pinned Kubernetes tools into the per-machine cache (no-op when present).
+# Build the pinned Kubernetes tools and fetch the ops tools into the per-machine cache (no-op when present).
 tools:
     bash tools/build.sh
+    bash tools/ops-tools.sh
 
 # Rebuild the tools from empty Go caches and print per-tool times.
 tools-cold:
@@ -30,7 +34,7 @@ fmt:
     cargo fmt --all
 
 # API server audit logs of the integration run, judged by tests/least_privilege.rs.
-audit_dir := env_var_or_default("CARGO_TARGET_DIR", justfile_directory() / "target") / "audit"
+audit_dir := target_dir / "audit"
 
 # Unit tests, then the integration tests against a real control plane (serialized: 2 cores),
 # then least privilege judged over their audit logs. KUBECONFIG is dropped: the e2e scenarios
@@ -52,6 +56,15 @@ e2e-cluster:
 demo *ARGS: tools
     cargo build --workspace --bins
     cargo run --quiet -p testenv --bin demo -- {{ARGS}}
+
+# The image's runtime tree without Docker (<target>/image/rootfs, its file list beside it).
+image-rootfs:
+    cargo build --release --bin pmem-csi
+    bash tools/image-rootfs.sh "{{target_dir}}/release/pmem-csi" "{{target_dir}}/image/rootfs" "{{target_dir}}/image/files.txt"
+
+# The e2e scenarios on a kind cluster (needs Docker and kind: not on CI machines).
+e2e: image-rootfs
+    bash e2e-kind/e2e.sh
 
 # Full benchmarks; results into bench/results/, rendered into BENCHMARKS.md.
 bench: tools
