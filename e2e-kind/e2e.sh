@@ -25,12 +25,28 @@ for tool in docker kind kubectl; do
     command -v "$tool" >/dev/null || { echo "e2e: $tool is required" >&2; exit 1; }
 done
 
+if kind get clusters 2>/dev/null | grep -qx "$cluster"; then
+    # Not ours to delete: the trap would remove it on the way out.
+    trap - EXIT
+    rm -rf "$work"
+    echo "e2e: a kind cluster named $cluster exists; delete it or set CLUSTER" >&2
+    exit 1
+fi
+
 docker build -f "$repo/Dockerfile" -t "$image" "$target/image"
 
 sed "s|@REPO@|$repo|g" "$repo/e2e-kind/kind-config.yaml" >"$work/kind-config.yaml"
 kind create cluster --name "$cluster" --config "$work/kind-config.yaml" \
-    --kubeconfig "$kubeconfig" --wait 120s
+    --kubeconfig "$kubeconfig" --wait 120s ${KIND_NODE_IMAGE:+--image "$KIND_NODE_IMAGE"}
 kind load docker-image --name "$cluster" "$image"
+# kind applies the kubeadm v1beta4 patch only with node images of Kubernetes 1.36 and later (and
+# a kind release that generates v1beta4 for them); otherwise kube-scheduler runs without the
+# extender and every marked pod would stay Pending.
+if ! KUBECONFIG=$kubeconfig kubectl -n kube-system get pods -l component=kube-scheduler \
+        -o jsonpath='{.items[*].spec.containers[*].command}' | grep -q pmem-csi/scheduler-config.yaml; then
+    echo "e2e: kube-scheduler does not run with manifests/scheduler/scheduler-config.yaml; use a kind release and node image (KIND_NODE_IMAGE) of Kubernetes 1.36 or later" >&2
+    exit 1
+fi
 
 cat >"$work/kustomization.yaml" <<YAML
 apiVersion: kustomize.config.k8s.io/v1beta1

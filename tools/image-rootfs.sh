@@ -23,7 +23,9 @@ mkdir -p "$cache"
 for package in "${packages[@]}"; do
     if ! compgen -G "$cache/${package}_*.deb" >/dev/null; then
         # apt drops privileges to _apt, which cannot write into a root-owned cache.
-        (cd "$cache" && apt-get download -o APT::Sandbox::User=root "$package")
+        # A fresh machine may have empty package lists: update them once and retry.
+        (cd "$cache" && { apt-get download -q -o APT::Sandbox::User=root "$package" ||
+            { apt-get update -qq && apt-get download -q -o APT::Sandbox::User=root "$package"; }; })
     fi
 done
 

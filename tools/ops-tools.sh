@@ -32,7 +32,9 @@ rm -rf "$dir"
 mkdir -p "$dir/debs" "$dir/bin"
 for package in "${DEBIAN_PACKAGES[@]}"; do
     # apt drops privileges to _apt, which cannot write into a root-owned cache.
-    (cd "$dir/debs" && apt-get download -q -o APT::Sandbox::User=root "$package")
+    # A fresh machine may have empty package lists: update them once and retry.
+    (cd "$dir/debs" && { apt-get download -q -o APT::Sandbox::User=root "$package" ||
+        { apt-get update -qq && apt-get download -q -o APT::Sandbox::User=root "$package"; }; })
     debs=("$dir/debs/${package}"_*.deb)
     dpkg-deb -x "${debs[-1]}" "$dir/unpacked"
 done

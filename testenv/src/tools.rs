@@ -111,7 +111,6 @@ impl Tools {
     }
 }
 
-/// Test executables live in `target/<profile>/deps`, binaries in `target/<profile>`.
 /// The directory of `tools/ops-tools.sh` (Prometheus, promtool, shellcheck, tsc):
 /// `PMEM_CSI_OPS_TOOLS_DIR`, else what the script prints (empty when it cannot run).
 pub fn ops_tools_dir() -> PathBuf {
@@ -127,6 +126,7 @@ pub fn ops_tools_dir() -> PathBuf {
         .unwrap_or_default()
 }
 
+/// Test executables live in `target/<profile>/deps`, binaries in `target/<profile>`.
 fn own_binary_beside_current_exe() -> PathBuf {
     let exe = std::env::current_exe().unwrap_or_default();
     let mut dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();

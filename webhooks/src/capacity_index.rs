@@ -56,6 +56,8 @@ pub struct PublishedCapacity {
     pub managed: Option<u64>,
     /// Volume sizes are multiples of this (`alignment-bytes`; 1 when not published).
     pub alignment: u64,
+    /// Free bytes over all pools (`capacity`): `free-extents` lists at most 16 of them.
+    pub free: u64,
 }
 
 /// What the fit needs to know about one node, excluding a pod's own claims.
@@ -97,6 +99,8 @@ pub struct ClaimRecord {
     pub request: u64,
     /// Being deleted.
     pub deleting: bool,
+    /// `metadata.uid`, to tell a claim from an earlier one of the same name.
+    pub uid: Option<String>,
 }
 
 /// What the index keeps of a pod: only its inline volumes of this driver, so that no full pod
@@ -109,6 +113,15 @@ pub struct PodRecord {
     pub terminated: bool,
     /// (volume name, bytes) of this driver's inline volumes.
     pub inline: Vec<(String, u64)>,
+}
+
+/// A PV of this driver with a node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct PvRecord {
+    node: String,
+    size: u64,
+    /// The claim reference: namespace, name and, when set, uid.
+    claim: Option<(String, String, Option<String>)>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -140,6 +153,8 @@ pub struct Published<'a> {
     pub managed: Option<u64>,
     /// Volume sizes are multiples of this.
     pub alignment: u64,
+    /// Free bytes over all pools.
+    pub free: u64,
 }
 
 impl CapacityRecord {
@@ -154,6 +169,7 @@ impl CapacityRecord {
             pools: &self.pools,
             managed: self.published.managed,
             alignment: self.published.alignment,
+            free: self.published.free,
         }
     }
 }
@@ -178,6 +194,10 @@ pub struct CapacityIndex {
     volumes: HashMap<VolumeKey, (String, u64)>,
     /// PV name → its key in `volumes`.
     volume_keys: HashMap<String, VolumeKey>,
+    /// PV name → what the index keeps of it, whatever its key.
+    pvs: HashMap<String, PvRecord>,
+    /// Claim (namespace, name) → the PVs whose claim reference names it.
+    pvs_by_claim: HashMap<(String, String), HashSet<String>>,
     pods: HashMap<String, PodRecord>,
     // Looked up once per candidate node on every /filter: one lookup for both halves, in a
     // table laid out for it.
@@ -212,6 +232,8 @@ impl CapacityIndex {
             claims: HashMap::new(),
             volumes: HashMap::new(),
             volume_keys: HashMap::new(),
+            pvs: HashMap::new(),
+            pvs_by_claim: HashMap::new(),
             pods: HashMap::new(),
             nodes: NodeTable::new(),
             allocations: HashMap::new(),
@@ -306,13 +328,16 @@ impl CapacityIndex {
                 .and_then(|q| controllers::quantity::parse_bytes(&q.0).ok())
                 .unwrap_or(0),
             deleting: claim.metadata.deletion_timestamp.is_some(),
+            uid: claim.metadata.uid.clone(),
         };
         let key = VolumeKey::Claim {
             namespace: namespace.clone(),
             name: name.clone(),
         };
-        self.claims.insert((namespace, name), record);
+        self.claims
+            .insert((namespace.clone(), name.clone()), record);
         self.bump();
+        self.place_pvs_of_claim(&namespace, &name);
         self.derive(&key);
     }
 
@@ -326,6 +351,7 @@ impl CapacityIndex {
         self.claims
             .remove(&(namespace.to_string(), name.to_string()));
         self.bump();
+        self.place_pvs_of_claim(namespace, name);
         self.derive(&VolumeKey::Claim {
             namespace: namespace.into(),
             name: name.into(),
@@ -359,31 +385,93 @@ impl CapacityIndex {
         let Some(name) = pv.metadata.name.clone() else {
             return;
         };
-        let old = self.volume_keys.remove(&name);
+        self.forget_pv(&name);
+        if let Some(record) = self.pv_record(pv) {
+            if let Some((namespace, claim, _)) = &record.claim {
+                self.pvs_by_claim
+                    .entry((namespace.clone(), claim.clone()))
+                    .or_default()
+                    .insert(name.clone());
+            }
+            self.pvs.insert(name.clone(), record);
+        }
+        self.bump();
+        self.place_pv(&name);
+    }
+
+    /// Removes a PV.
+    pub fn delete_volume(&mut self, name: &str) {
+        self.forget_pv(name);
+        self.bump();
+        self.place_pv(name);
+    }
+
+    fn forget_pv(&mut self, name: &str) {
+        if let Some((namespace, claim, _)) = self.pvs.remove(name).and_then(|r| r.claim) {
+            let key = (namespace, claim);
+            if let Some(names) = self.pvs_by_claim.get_mut(&key) {
+                names.remove(name);
+                if names.is_empty() {
+                    self.pvs_by_claim.remove(&key);
+                }
+            }
+        }
+    }
+
+    /// Files PV `name` under its key (again) and recomputes the allocations it left and joined.
+    /// A PV counts as its claim's volume unless that claim is a later one of the same name (a
+    /// StatefulSet's claim re-created while the old PV is Released or retained): then it is a
+    /// volume of its own, and the new claim counts on its own selected node.
+    fn place_pv(&mut self, name: &str) {
+        let old = self.volume_keys.remove(name);
         if let Some(key) = &old {
             self.volumes.remove(key);
         }
-        let new = self.volume_entry(pv).map(|(key, node, size)| {
-            self.volume_keys.insert(name, key.clone());
-            self.volumes.insert(key.clone(), (node, size));
+        let new = self.pvs.get(name).cloned().map(|record| {
+            let key = match &record.claim {
+                Some((namespace, claim, uid)) => {
+                    let key = VolumeKey::Claim {
+                        namespace: namespace.clone(),
+                        name: claim.clone(),
+                    };
+                    let current = self.claims.get(&(namespace.clone(), claim.clone()));
+                    let same_claim = match (uid, current.and_then(|c| c.uid.as_ref())) {
+                        (Some(a), Some(b)) => a == b,
+                        _ => true,
+                    };
+                    // Two PVs naming one claim: the second is a volume of its own.
+                    let taken = self.volumes.contains_key(&key);
+                    if same_claim && !taken {
+                        key
+                    } else {
+                        VolumeKey::Volume(name.to_string())
+                    }
+                }
+                None => VolumeKey::Volume(name.to_string()),
+            };
+            self.volume_keys.insert(name.to_string(), key.clone());
+            self.volumes
+                .insert(key.clone(), (record.node.clone(), record.size));
             key
         });
-        self.bump();
         for key in old.iter().chain(new.iter()) {
             self.derive(key);
         }
     }
 
-    /// Removes a PV.
-    pub fn delete_volume(&mut self, name: &str) {
-        if let Some(key) = self.volume_keys.remove(name) {
-            self.volumes.remove(&key);
-            self.bump();
-            self.derive(&key);
+    /// Places again the PVs whose claim reference names claim `namespace/name`.
+    fn place_pvs_of_claim(&mut self, namespace: &str, name: &str) {
+        let names: Vec<String> = self
+            .pvs_by_claim
+            .get(&(namespace.to_string(), name.to_string()))
+            .map(|n| n.iter().cloned().collect())
+            .unwrap_or_default();
+        for pv in names {
+            self.place_pv(&pv);
         }
     }
 
-    fn volume_entry(&self, pv: &PersistentVolume) -> Option<(VolumeKey, String, u64)> {
+    fn pv_record(&self, pv: &PersistentVolume) -> Option<PvRecord> {
         let spec = pv.spec.as_ref()?;
         if spec.csi.as_ref()?.driver != self.driver {
             return None;
@@ -405,17 +493,11 @@ impl CapacityIndex {
             .and_then(|c| c.get("storage"))
             .and_then(|q| controllers::quantity::parse_bytes(&q.0).ok())
             .unwrap_or(0);
-        let key = match spec.claim_ref.as_ref() {
-            Some(r) => match (&r.namespace, &r.name) {
-                (Some(namespace), Some(claim)) => VolumeKey::Claim {
-                    namespace: namespace.clone(),
-                    name: claim.clone(),
-                },
-                _ => VolumeKey::Volume(pv.metadata.name.clone()?),
-            },
-            None => VolumeKey::Volume(pv.metadata.name.clone()?),
-        };
-        Some((key, node, size))
+        let claim = spec
+            .claim_ref
+            .as_ref()
+            .and_then(|r| Some((r.namespace.clone()?, r.name.clone()?, r.uid.clone())));
+        Some(PvRecord { node, size, claim })
     }
 
     /// Adds or updates a pod (only its inline volumes of this driver are kept). Returns whether
@@ -557,6 +639,7 @@ impl CapacityIndex {
                 pools: p.pools.to_vec(),
                 managed: p.managed,
                 alignment: p.alignment,
+                free: p.free,
             }),
             allocated,
             unreflected,
@@ -595,14 +678,13 @@ impl CapacityIndex {
         // Event order alone can call a volume unreflected that the node did publish (its PV seen
         // after the publication that counted it), and on a node that then changes no more it
         // stays so, hiding a free slot for good. The node's own numbers bound it: it published
-        // `managed − Σ free` as allocated, so no more than the index's excess over that can be
+        // `managed − free` as allocated, so no more than the index's excess over that can be
         // missing from its pools. (Volumes the index does not know, such as orphans, make this
         // optimistic; the cap view still holds.)
         if let Some(r) = record
             && let Some(managed) = r.published.managed
         {
-            let published_free = r.pools.iter().fold(0u64, |s, p| s.saturating_add(*p));
-            let mut excess = allocated.saturating_sub(managed.saturating_sub(published_free));
+            let mut excess = allocated.saturating_sub(managed.saturating_sub(r.published.free));
             let mut kept = from;
             for i in from..unreflected.len() {
                 let size = unreflected[i];
@@ -736,6 +818,7 @@ pub fn published_capacity(driver: &str, object: &CSIStorageCapacity) -> Publishe
     pools.sort_unstable_by(|a, b| b.cmp(a));
     PublishedCapacity {
         pools,
+        free: capacity,
         managed: annotation("managed-bytes").and_then(|v| v.parse().ok()),
         alignment: annotation("alignment-bytes")
             .and_then(|v| v.parse().ok())
@@ -748,7 +831,7 @@ pub fn published_capacity(driver: &str, object: &CSIStorageCapacity) -> Publishe
 mod tests {
     use super::*;
     use crate::test_objects::{
-        DRIVER, GI, capacity, claim, class, inline_pod, managed_capacity, volume,
+        DRIVER, GI, capacity, claim, class, inline_pod, managed_capacity, sized_claim, volume,
     };
 
     fn index() -> CapacityIndex {
@@ -887,6 +970,63 @@ mod tests {
             }
             assert_eq!(index.usage("n1", &[]).unreflected, want, "{name}");
         }
+    }
+
+    #[test]
+    fn a_volume_of_an_earlier_claim_of_the_same_name_counts_apart() {
+        let with_uid = |mut pv: PersistentVolume, uid: &str| {
+            if let Some(r) = pv.spec.as_mut().and_then(|s| s.claim_ref.as_mut()) {
+                r.uid = Some(uid.into());
+            }
+            pv
+        };
+        let new_claim = || {
+            let mut c = claim("a", "late", Some("n2"), None);
+            c.metadata.uid = Some("u2".into());
+            c
+        };
+        // Either order: the retained PV of the old claim (u1) on n1, the new claim on n2.
+        for pv_first in [true, false] {
+            let mut index = index();
+            let old = with_uid(volume("pv-old", "n1", "1Gi", Some("a")), "u1");
+            if pv_first {
+                index.apply_volume(&old);
+                index.apply_claim(&new_claim());
+            } else {
+                index.apply_claim(&new_claim());
+                index.apply_volume(&old);
+            }
+            assert_eq!(index.usage("n1", &[]).allocated, GI, "the old volume stays");
+            assert_eq!(index.usage("n2", &[]).allocated, GI, "the new claim");
+            assert_eq!(counted_on(&index, "a"), Some("n2"), "pv first: {pv_first}");
+            // The new claim's own PV on n2: counted once there.
+            index.apply_volume(&with_uid(volume("pv-new", "n2", "1Gi", Some("a")), "u2"));
+            assert_eq!(index.usage("n2", &[]).allocated, GI);
+            assert_eq!(index.usage("n1", &[]).allocated, GI);
+            index.delete_volume("pv-old");
+            assert_eq!(index.usage("n1", &[]).allocated, 0);
+            assert_eq!(counted_on(&index, "a"), Some("n2"));
+        }
+    }
+
+    #[test]
+    fn the_bound_reads_free_bytes_over_all_pools() {
+        // 4 GiB managed, 2096 MiB of it allocated when the node published 2000 MiB free in 20
+        // pools of 100 MiB, of which free-extents lists 16 (1600 MiB).
+        let extents = vec![(100u64 << 20).to_string(); 16].join(",");
+        let mut index = index();
+        index.apply_claim(&sized_claim("b", "late", "2096Mi", Some("n1"), None));
+        index.apply_capacity(&managed_capacity(
+            "cap-n1",
+            "n1",
+            "2000Mi",
+            Some(&extents),
+            Some(4 * GI),
+        ));
+        index.apply_claim(&claim("a", "late", Some("n1"), None));
+        // Read from the 16 listed pools, the node would seem to have allocated 2496 MiB and the
+        // new claim would be dropped as already published.
+        assert_eq!(index.usage("n1", &[]).unreflected, vec![GI]);
     }
 
     #[test]
