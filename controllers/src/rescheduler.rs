@@ -51,6 +51,16 @@ pub struct ClaimFacts {
     pub provisioner_annotation: Option<String>,
 }
 
+impl ClaimFacts {
+    /// The claim's provisioner: the class decides; only without a class does the annotation
+    /// (which KCM copies from the class) stand in for it.
+    pub fn provisioner(&self) -> Option<&str> {
+        self.class_provisioner
+            .as_deref()
+            .or(self.provisioner_annotation.as_deref())
+    }
+}
+
 /// Why a claim is left alone.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KeepReason {
@@ -115,13 +125,7 @@ pub fn decide(
     let Some(node) = claim.selected_node.as_deref() else {
         return Verdict::Keep(KeepReason::NoSelectedNode);
     };
-    // The class decides; only without a class does the annotation (which KCM copies from the
-    // class) stand in for it.
-    let provisioner = claim
-        .class_provisioner
-        .as_deref()
-        .or(claim.provisioner_annotation.as_deref());
-    match provisioner {
+    match claim.provisioner() {
         None => return Verdict::Keep(KeepReason::UnknownDriver),
         Some(p) if p != driver => return Verdict::Keep(KeepReason::OtherDriver),
         Some(_) => {}

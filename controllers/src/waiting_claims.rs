@@ -20,11 +20,10 @@ pub const SCAN_INTERVAL: Duration = Duration::from_secs(10);
 /// Whether a claim of `driver` waits for its volume on its selected node: unbound, not being
 /// deleted, selected, and this driver's (by class; without one, by the provisioner annotation).
 pub fn waits_on_selected_node(claim: &ClaimFacts, driver: &str) -> bool {
-    let provisioner = claim
-        .class_provisioner
-        .as_deref()
-        .or(claim.provisioner_annotation.as_deref());
-    !claim.bound && !claim.deleting && claim.selected_node.is_some() && provisioner == Some(driver)
+    !claim.bound
+        && !claim.deleting
+        && claim.selected_node.is_some()
+        && claim.provisioner() == Some(driver)
 }
 
 /// When each waiting claim (by UID) was first seen waiting.

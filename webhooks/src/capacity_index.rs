@@ -190,8 +190,8 @@ pub struct CapacityIndex {
     next_node_id: u64,
     classes: HashMap<String, ClassRecord>,
     claims: HashMap<(String, String), ClaimRecord>,
-    /// Volume → (node, bytes) of PVs of this driver with a node.
-    volumes: HashMap<VolumeKey, (String, u64)>,
+    /// Volume → the name of the PV of this driver (in `pvs`) filed under it.
+    volumes: HashMap<VolumeKey, String>,
     /// PV name → its key in `volumes`.
     volume_keys: HashMap<String, VolumeKey>,
     /// PV name → what the index keeps of it, whatever its key.
@@ -363,13 +363,8 @@ impl CapacityIndex {
         self.claims.get(&(namespace.to_string(), name.to_string()))
     }
 
-    /// Whether a claim is this driver's and waits for a node: unbound, and its class (or, the
-    /// class missing, its provisioner annotation) names this driver with late binding.
-    pub fn is_pending_ours(&self, claim: &ClaimRecord) -> bool {
-        claim.volume_name.is_none() && self.is_late_binding_ours(claim)
-    }
-
-    /// Whether a claim, bound or not, is this driver's with late binding and not being deleted.
+    /// Whether a claim, bound or not, is this driver's and not being deleted: its class (or,
+    /// the class missing, its provisioner annotation) names this driver with late binding.
     fn is_late_binding_ours(&self, claim: &ClaimRecord) -> bool {
         if claim.deleting {
             return false;
@@ -427,8 +422,9 @@ impl CapacityIndex {
         if let Some(key) = &old {
             self.volumes.remove(key);
         }
-        let new = self.pvs.get(name).cloned().map(|record| {
-            let key = match &record.claim {
+        let claim = self.pvs.get(name).map(|record| record.claim.clone());
+        let new = claim.map(|claim| {
+            let key = match &claim {
                 Some((namespace, claim, uid)) => {
                     let key = VolumeKey::Claim {
                         namespace: namespace.clone(),
@@ -450,8 +446,7 @@ impl CapacityIndex {
                 None => VolumeKey::Volume(name.to_string()),
             };
             self.volume_keys.insert(name.to_string(), key.clone());
-            self.volumes
-                .insert(key.clone(), (record.node.clone(), record.size));
+            self.volumes.insert(key.clone(), name.to_string());
             key
         });
         for key in old.iter().chain(new.iter()) {
@@ -737,11 +732,17 @@ impl CapacityIndex {
         self.seq += 1;
     }
 
+    /// (node, bytes) of the PV filed under `key`, if any.
+    fn filed_volume(&self, key: &VolumeKey) -> Option<(String, u64)> {
+        let record = self.pvs.get(self.volumes.get(key)?)?;
+        Some((record.node.clone(), record.size))
+    }
+
     /// Recomputes the allocation of `key` from its sources.
     fn derive(&mut self, key: &VolumeKey) {
         let wanted = match key {
-            VolumeKey::Claim { namespace, name } => match self.volumes.get(key) {
-                Some((node, size)) => Some((node.clone(), *size)),
+            VolumeKey::Claim { namespace, name } => match self.filed_volume(key) {
+                Some(volume) => Some(volume),
                 // Bound claims count too while their PV is unseen: the binder's update of the
                 // claim arrives on another watch than the PV's creation and can overtake it,
                 // and a claim counting nowhere in between let a /filter over-commit the node.
@@ -759,7 +760,7 @@ impl CapacityIndex {
                         Some((node, size))
                     }),
             },
-            VolumeKey::Volume(_) => self.volumes.get(key).cloned(),
+            VolumeKey::Volume(_) => self.filed_volume(key),
             VolumeKey::Inline { pod_uid, volume } => self.pods.get(pod_uid).and_then(|p| {
                 let node = p.node.clone().filter(|_| !p.terminated)?;
                 let (_, size) = p.inline.iter().find(|(v, _)| v == volume)?;

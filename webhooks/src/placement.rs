@@ -352,7 +352,6 @@ impl ExtenderState {
             .unwrap_or_default();
         let facts = self.facts(&request.pod, namespace);
         let unseen = pod_volumes::first_unseen(&request.pod, namespace, &facts);
-        let demand = self.demand_from(&request.pod, &facts);
         let mut outcome = FilterOutcome {
             pod,
             result: ExtenderFilterResult::default(),
@@ -373,6 +372,7 @@ impl ExtenderState {
             outcome.deferred = Some(unseen);
             return outcome;
         }
+        let demand = self.demand_from(&request.pod, &facts);
         if demand.sizes.is_empty() {
             // Filtered again without demand (its claims got bound meanwhile): nothing to hold.
             self.book.pod_deleted(&uid);
