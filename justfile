@@ -62,6 +62,12 @@ image-rootfs:
     cargo build --release --bin pmem-csi
     bash tools/image-rootfs.sh "{{target_dir}}/release/pmem-csi" "{{target_dir}}/image/rootfs" "{{target_dir}}/image/files.txt"
 
+# The image as an OCI archive, built by Debian's buildah from the Dockerfile without Docker
+# (<target>/pmem-csi.oci.tar; IMAGE names it, default localhost/pmem-csi:dev).
+image-oci: image-rootfs
+    bash tools/ops-tools.sh
+    bash tools/image-oci.sh "$PMEM_CSI_OPS_TOOLS_DIR/bin/buildah" "{{target_dir}}/image" "{{target_dir}}/pmem-csi.oci.tar" "${IMAGE:-localhost/pmem-csi:dev}"
+
 # The e2e scenarios on a kind cluster (needs Docker and kind: not on CI machines).
 e2e: image-rootfs
     bash e2e-kind/e2e.sh

@@ -1,10 +1,14 @@
 //! The image without Docker: `tools/image-rootfs.sh` (`just image-rootfs`) assembles the runtime
 //! tree from our binary and Debian's e2fsprogs, xfsprogs, util-linux and mount, and inside that
 //! tree, with `chroot`, our binary and the file system tools the driver runs all start. The
-//! Dockerfile copies exactly this tree.
+//! Dockerfile copies exactly this tree; `tools/image-oci.sh` (`just image-oci`) runs it with
+//! Debian's buildah into an OCI archive, whose layers, unpacked, hold the same files and run our
+//! binary as the image's entrypoint.
 
 use std::path::Path;
 use std::process::Command;
+
+use sha2::{Digest, Sha256};
 
 fn repo() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -64,11 +68,130 @@ fn the_image_tree_runs_our_binary_and_the_file_system_tools() {
         );
     }
     // No library is borrowed from the host: the tree alone resolves them (chroot proved it for
-    // the commands above); the Dockerfile ships that tree and starts our binary from it.
-    let dockerfile = std::fs::read_to_string(repo().join("Dockerfile")).expect("Dockerfile");
-    assert!(dockerfile.contains("COPY rootfs/ /"), "{dockerfile}");
-    assert!(
-        dockerfile.contains(r#"ENTRYPOINT ["/usr/local/bin/pmem-csi"]"#),
-        "{dockerfile}"
+    // the commands above); the Dockerfile ships that tree, checked through the OCI archive below.
+    the_oci_archive_holds_the_tree_and_runs_our_binary(dir.path(), &files);
+}
+
+/// Builds the OCI archive from `context` (holding `rootfs/`) and checks it against `files`.
+fn the_oci_archive_holds_the_tree_and_runs_our_binary(context: &Path, files: &str) {
+    let buildah = testenv::tools::ops_tools_dir().join("bin/buildah");
+    assert!(buildah.exists(), "{}: run `just tools`", buildah.display());
+    let out_dir = tempfile::tempdir().expect("tempdir");
+    let archive = out_dir.path().join("pmem-csi.oci.tar");
+    run(Command::new("bash")
+        .arg(repo().join("tools/image-oci.sh"))
+        .arg(&buildah)
+        .arg(context)
+        .arg(&archive)
+        .arg("localhost/pmem-csi:test"));
+    let oci = out_dir.path().join("oci");
+    std::fs::create_dir(&oci).expect("mkdir");
+    run(Command::new("tar")
+        .arg("-xf")
+        .arg(&archive)
+        .arg("-C")
+        .arg(&oci));
+
+    let index = json(&oci.join("index.json"));
+    let manifests = index["manifests"]
+        .as_array()
+        .expect("index.json: manifests");
+    assert_eq!(manifests.len(), 1, "{index}");
+    assert_eq!(
+        manifests[0]["annotations"]["org.opencontainers.image.ref.name"], "localhost/pmem-csi:test",
+        "{index}"
     );
+    let manifest = json(&blob(&oci, &manifests[0]));
+    let config = json(&blob(&oci, &manifest["config"]));
+    assert_eq!(
+        config["config"]["Entrypoint"],
+        serde_json::json!(["/usr/local/bin/pmem-csi"]),
+        "{config}"
+    );
+    let path = config["config"]["Env"]
+        .as_array()
+        .and_then(|env| env.iter().find_map(|e| e.as_str()?.strip_prefix("PATH=")))
+        .unwrap_or_else(|| panic!("no PATH in the image's Env: {config}"));
+    assert!(path.split(':').any(|d| d == "/sbin"), "{path}");
+
+    let unpacked = out_dir.path().join("unpacked");
+    std::fs::create_dir(&unpacked).expect("mkdir");
+    let layers = manifest["layers"].as_array().expect("manifest: layers");
+    assert!(!layers.is_empty(), "{manifest}");
+    for layer in layers {
+        // GNU tar detects a compressed layer by itself.
+        run(Command::new("tar")
+            .arg("-xf")
+            .arg(blob(&oci, layer))
+            .arg("-C")
+            .arg(&unpacked));
+    }
+    let listing = run(Command::new("find")
+        .arg(".")
+        .args(["-mindepth", "1", "(", "-type", "f", "-o", "-type", "l", ")"])
+        .current_dir(&unpacked));
+    let mut image_files: Vec<&str> = listing
+        .lines()
+        .map(|f| f.strip_prefix('.').unwrap_or(f))
+        .collect();
+    image_files.sort_unstable();
+    let want: Vec<&str> = files.lines().collect();
+    assert_eq!(
+        image_files, want,
+        "the image's files differ from the tree's"
+    );
+
+    let entrypoint = config["config"]["Entrypoint"][0]
+        .as_str()
+        .expect("Entrypoint");
+    let mut command = Command::new("chroot");
+    command
+        .arg(&unpacked)
+        .arg(entrypoint)
+        .arg("--version")
+        .env_clear()
+        .env("PATH", path);
+    let version = run(&mut command);
+    assert!(version.starts_with("pmem-csi "), "{version}");
+}
+
+/// The blob a descriptor names, after checking its digest and size.
+fn blob(oci: &Path, descriptor: &serde_json::Value) -> std::path::PathBuf {
+    let digest = descriptor["digest"].as_str().expect("descriptor: digest");
+    let hex = digest
+        .strip_prefix("sha256:")
+        .unwrap_or_else(|| panic!("{digest}: not sha256"));
+    let path = oci.join("blobs/sha256").join(hex);
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    assert_eq!(
+        Some(bytes.len() as u64),
+        descriptor["size"].as_u64(),
+        "{digest}: size"
+    );
+    let actual: String = Sha256::digest(&bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    assert_eq!(actual, hex, "{digest}: content");
+    path
+}
+
+fn json(path: &Path) -> serde_json::Value {
+    let text = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_slice(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// Runs a command that must succeed; its standard output.
+fn run(command: &mut Command) -> String {
+    let out = command
+        .output()
+        .unwrap_or_else(|e| panic!("{command:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{command:?}: {:?}\n{}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
