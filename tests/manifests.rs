@@ -49,6 +49,16 @@ fn every_kustomization_renders_and_the_api_server_accepts_it() {
             "overlays/emulated + component",
             with_component(scratch.path(), "emulated-ext", manifests::OVERLAY),
         ),
+        ("overlays/lvm", repo().join("manifests/overlays/lvm")),
+        ("overlays/direct", repo().join("manifests/overlays/direct")),
+        (
+            "overlays/lvm + component",
+            with_component(scratch.path(), "lvm-ext", "manifests/overlays/lvm"),
+        ),
+        (
+            "overlays/direct + component",
+            with_component(scratch.path(), "direct-ext", "manifests/overlays/direct"),
+        ),
         ("examples", repo().join("manifests/examples")),
         // Two ConfigMaps: the alert rules and the Grafana dashboard.
         ("monitoring", repo().join("manifests/monitoring")),
@@ -319,4 +329,73 @@ async fn service_account_tokens_are_renewed_and_identify_the_account() {
         user.as_deref(),
         Some("system:serviceaccount:pmem-csi:pmem-csi-intel-com-node")
     );
+}
+
+/// The node driver's arguments in each overlay are ones `pmem-csi node` accepts, in the
+/// overlay's device mode (the flag validation that would otherwise fail only on a node).
+#[test]
+fn overlays_give_the_driver_valid_flags_for_their_mode() {
+    /// `pmem-csi node`'s flags: the driver's, and the admin server's and logging's every
+    /// subcommand shares (src/main.rs).
+    #[derive(clap::Parser)]
+    struct Node {
+        #[command(flatten)]
+        args: driver::NodeArgs,
+        #[arg(long)]
+        _admin_address: Option<std::net::SocketAddr>,
+        #[arg(long)]
+        _log_format: Option<String>,
+    }
+    let kubectl = testenv::Tools::locate()
+        .expect("tools (run `just tools`)")
+        .go("kubectl");
+    for (overlay, mode) in [
+        ("emulated", driver::backend::DeviceMode::Emulated),
+        ("lvm", driver::backend::DeviceMode::Lvm),
+        ("direct", driver::backend::DeviceMode::Direct),
+    ] {
+        let dir = repo().join("manifests/overlays").join(overlay);
+        let yaml = manifests::kustomize(&kubectl, &dir)
+            .unwrap_or_else(|e| panic!("{overlay} does not render: {e}"));
+        let rendered = Rendered::from_yaml(&yaml).expect("YAML");
+        let driver = containers(&rendered, "DaemonSet", "pmem-csi-intel-com-node")
+            .into_iter()
+            .find(|c| c["name"].as_str() == Some("pmem-driver"))
+            .unwrap_or_else(|| panic!("{overlay}: no pmem-driver container"));
+        let command = args(driver);
+        let node = command
+            .iter()
+            .position(|a| a == "node")
+            .unwrap_or_else(|| panic!("{overlay}: no `node` subcommand in {command:?}"));
+        let mut argv = vec!["pmem-csi".to_string()];
+        argv.extend(
+            command[node + 1..]
+                .iter()
+                .map(|a| a.replace("$(NODE_NAME)", "node-1")),
+        );
+        let parsed = <Node as clap::Parser>::try_parse_from(&argv)
+            .unwrap_or_else(|e| panic!("{overlay}: {argv:?}: {e}"));
+        let config = parsed
+            .args
+            .validate()
+            .unwrap_or_else(|e| panic!("{overlay}: {argv:?}: {e}"));
+        assert_eq!(config.device_mode, mode, "{overlay}");
+        let mounts: Vec<&str> = driver["volumeMounts"]
+            .as_sequence()
+            .into_iter()
+            .flatten()
+            .filter_map(|m| m["mountPath"].as_str())
+            .collect();
+        for needed in ["/dev", "/sys", "/var/lib/pmem-csi.intel.com"] {
+            assert!(
+                mounts.contains(&needed),
+                "{overlay}: {needed} not mounted: {mounts:?}"
+            );
+        }
+        assert_eq!(
+            mounts.contains(&"/host-sys"),
+            overlay == "direct",
+            "{overlay}: /host-sys is for the direct mode's read-only /sys fallback"
+        );
+    }
 }

@@ -3,13 +3,19 @@
 
 use std::path::PathBuf;
 
+use crate::parameters::Usage;
+
 /// Which backend (`--device-mode`); the string is recorded per volume as `deviceMode`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, clap::ValueEnum)]
 pub enum DeviceMode {
     /// Files on loop devices in a budgeted directory (development, kind, tests).
     Emulated,
     /// In memory, no devices (scale tests of the control plane).
     Fake,
+    /// Logical volumes in PMEM-CSI's volume groups on `pmem-csi` fsdax namespaces.
+    Lvm,
+    /// One PMEM namespace per volume.
+    Direct,
 }
 
 impl DeviceMode {
@@ -18,6 +24,19 @@ impl DeviceMode {
         match self {
             DeviceMode::Emulated => "emulated",
             DeviceMode::Fake => "fake",
+            DeviceMode::Lvm => "lvm",
+            DeviceMode::Direct => "direct",
+        }
+    }
+
+    /// The mode a recorded `deviceMode` names; PMEM-CSI's old `ndctl` means `direct`.
+    pub fn parse(recorded: &str) -> Option<Self> {
+        match recorded {
+            "emulated" => Some(DeviceMode::Emulated),
+            "fake" => Some(DeviceMode::Fake),
+            "lvm" => Some(DeviceMode::Lvm),
+            "direct" | "ndctl" => Some(DeviceMode::Direct),
+            _ => None,
         }
     }
 }
@@ -132,9 +151,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn alignment(&self) -> u64;
     /// Current capacity.
     fn capacity(&self) -> Result<Capacity, BackendError>;
-    /// Creates volume `id` of exactly `size` bytes (already aligned); an existing volume of that
-    /// size (left by a crash) is accepted.
-    fn create(&self, id: &str, size: u64) -> Result<(), BackendError>;
+    /// Creates volume `id` of `size` bytes (already aligned) for `usage` (the direct mode picks
+    /// the namespace mode by it); an existing volume of that size (left by a crash) is accepted.
+    fn create(&self, id: &str, size: u64, usage: Usage) -> Result<(), BackendError>;
     /// Deletes volume `id`, scrubbing it first if `erase`; a missing volume is not an error.
     fn delete(&self, id: &str, erase: bool) -> Result<(), BackendError>;
     /// The size of volume `id` if it exists.

@@ -41,6 +41,11 @@ pub struct NodeArgs {
     #[arg(long)]
     pub emulated_size: Option<String>,
 
+    /// Percentage of each PMEM region the `lvm` mode puts in its volume group (0 to 100;
+    /// default 100). A restart with a larger value adds the difference.
+    #[arg(long)]
+    pub pmem_percentage: Option<u8>,
+
     /// Size of a volume created without a capacity range, a quantity.
     #[arg(long, default_value = "1Gi")]
     pub default_volume_size: String,
@@ -92,6 +97,8 @@ pub struct NodeConfig {
     pub emulated_dir: Option<PathBuf>,
     /// Region size in bytes (emulated and fake).
     pub emulated_size: u64,
+    /// Share of each region for the `lvm` mode's volume groups, in percent.
+    pub pmem_percentage: u8,
     /// Default volume size in bytes.
     pub default_volume_size: u64,
     /// Default file system.
@@ -149,20 +156,28 @@ impl NodeArgs {
         }
         let device_mode = self
             .device_mode
-            .ok_or_else(|| invalid("device-mode", "required (emulated or fake)"))?;
+            .ok_or_else(|| invalid("device-mode", "required (emulated, fake, lvm or direct)"))?;
         let size = |flag: &'static str, value: &str| {
             quantity::parse_bytes(value).map_err(|e| invalid(flag, e.to_string()))
         };
-        let emulated_size = match &self.emulated_size {
-            Some(s) => size("emulated-size", s)?,
-            None => {
+        let simulated = matches!(device_mode, DeviceMode::Emulated | DeviceMode::Fake);
+        let emulated_size = match (&self.emulated_size, simulated) {
+            (Some(s), true) => size("emulated-size", s)?,
+            (None, true) => {
                 return Err(invalid(
                     "emulated-size",
                     format!("required with --device-mode={}", device_mode.as_str()),
                 ));
             }
+            (Some(_), false) => {
+                return Err(invalid(
+                    "emulated-size",
+                    "only used with --device-mode=emulated or fake",
+                ));
+            }
+            (None, false) => 0,
         };
-        if emulated_size == 0 {
+        if simulated && emulated_size == 0 {
             return Err(invalid("emulated-size", "must be larger than 0"));
         }
         let emulated_dir = match (device_mode, &self.emulated_dir) {
@@ -173,13 +188,29 @@ impl NodeArgs {
                     "required with --device-mode=emulated",
                 ));
             }
-            (DeviceMode::Fake, Some(_)) => {
+            (_, Some(_)) => {
                 return Err(invalid(
                     "emulated-dir",
                     "only used with --device-mode=emulated",
                 ));
             }
-            (DeviceMode::Fake, None) => None,
+            (_, None) => None,
+        };
+        let pmem_percentage = match (self.pmem_percentage, device_mode) {
+            (Some(p), _) if p > 100 => {
+                return Err(invalid(
+                    "pmem-percentage",
+                    format!("{p} is not a percentage (0 to 100)"),
+                ));
+            }
+            (Some(p), DeviceMode::Lvm) => p,
+            (Some(_), _) => {
+                return Err(invalid(
+                    "pmem-percentage",
+                    "only used with --device-mode=lvm",
+                ));
+            }
+            (None, _) => 100,
         };
         let default_volume_size = size("default-volume-size", &self.default_volume_size)?;
         if default_volume_size == 0 {
@@ -196,6 +227,7 @@ impl NodeArgs {
                 .unwrap_or_else(|| PathBuf::from("/var/lib").join(&self.driver_name)),
             emulated_dir,
             emulated_size,
+            pmem_percentage,
             default_volume_size,
             default_fs_type: self.default_fs_type,
             standalone: self.standalone,
@@ -225,6 +257,7 @@ mod tests {
             state_dir: None,
             emulated_dir: Some("/tmp/pmem".into()),
             emulated_size: Some("1Gi".into()),
+            pmem_percentage: None,
             default_volume_size: "64Mi".into(),
             default_fs_type: FsType::Ext4,
             standalone: true,
@@ -239,7 +272,7 @@ mod tests {
     #[test]
     fn validate_table() {
         type Edit = fn(&mut NodeArgs);
-        let cases: [(&str, Edit, Option<&str>); 10] = [
+        let cases: [(&str, Edit, Option<&str>); 16] = [
             ("valid", |_| {}, None),
             (
                 "tcp endpoint",
@@ -268,6 +301,57 @@ mod tests {
                 "fake with dir",
                 |a| a.device_mode = Some(DeviceMode::Fake),
                 Some("emulated-dir"),
+            ),
+            (
+                "lvm",
+                |a| {
+                    a.device_mode = Some(DeviceMode::Lvm);
+                    a.emulated_dir = None;
+                    a.emulated_size = None;
+                    a.pmem_percentage = Some(50);
+                },
+                None,
+            ),
+            (
+                "lvm with a region size",
+                |a| {
+                    a.device_mode = Some(DeviceMode::Lvm);
+                    a.emulated_dir = None;
+                },
+                Some("emulated-size"),
+            ),
+            (
+                "direct with a region dir",
+                |a| {
+                    a.device_mode = Some(DeviceMode::Direct);
+                    a.emulated_size = None;
+                },
+                Some("emulated-dir"),
+            ),
+            (
+                "percentage over 100",
+                |a| {
+                    a.device_mode = Some(DeviceMode::Lvm);
+                    a.emulated_dir = None;
+                    a.emulated_size = None;
+                    a.pmem_percentage = Some(101);
+                },
+                Some("pmem-percentage"),
+            ),
+            (
+                "percentage in direct mode",
+                |a| {
+                    a.device_mode = Some(DeviceMode::Direct);
+                    a.emulated_dir = None;
+                    a.emulated_size = None;
+                    a.pmem_percentage = Some(50);
+                },
+                Some("pmem-percentage"),
+            ),
+            (
+                "emulated with a percentage",
+                |a| a.pmem_percentage = Some(50),
+                Some("pmem-percentage"),
             ),
             (
                 "zero default size",

@@ -9,6 +9,7 @@ use std::sync::Mutex;
 use rustix::fs::FallocateFlags;
 
 use crate::backend::{Backend, BackendError, Capacity, DeviceMode, Pool, align_down};
+use crate::parameters::Usage;
 use crate::{loopdev, mounts};
 
 /// Volume sizes are multiples of 4 MiB, as LVM extents in PMEM-CSI's LVM mode.
@@ -110,7 +111,7 @@ impl Backend for Emulated {
         ))
     }
 
-    fn create(&self, id: &str, size: u64) -> Result<(), BackendError> {
+    fn create(&self, id: &str, size: u64, _usage: Usage) -> Result<(), BackendError> {
         let _guard = self.lock();
         let path = self.file(id);
         let existing = self.size_of(id)?;

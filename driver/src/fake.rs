@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 
 use crate::backend::{Backend, BackendError, Capacity, DeviceMode, Pool, align_down};
+use crate::parameters::Usage;
 
 /// Alignment of fake volumes, as for emulated ones.
 pub const FAKE_ALIGNMENT: u64 = 4 << 20;
@@ -59,7 +60,7 @@ impl Backend for Fake {
         ))
     }
 
-    fn create(&self, id: &str, size: u64) -> Result<(), BackendError> {
+    fn create(&self, id: &str, size: u64, _usage: Usage) -> Result<(), BackendError> {
         let mut volumes = self.volumes();
         if volumes.get(id) == Some(&size) {
             return Ok(());
@@ -114,16 +115,18 @@ mod tests {
     #[test]
     fn budget_is_enforced_and_freed() {
         let fake = Fake::new(3 * FAKE_ALIGNMENT);
-        fake.create("a", 2 * FAKE_ALIGNMENT).expect("a fits");
-        fake.create("a", 2 * FAKE_ALIGNMENT)
+        fake.create("a", 2 * FAKE_ALIGNMENT, Usage::AppDirect)
+            .expect("a fits");
+        fake.create("a", 2 * FAKE_ALIGNMENT, Usage::AppDirect)
             .expect("repeat is fine");
         let err = fake
-            .create("b", 2 * FAKE_ALIGNMENT)
+            .create("b", 2 * FAKE_ALIGNMENT, Usage::AppDirect)
             .expect_err("b does not fit");
         assert!(matches!(err, BackendError::NoSpace { largest, .. } if largest == FAKE_ALIGNMENT));
         fake.delete("a", true).expect("delete");
         fake.delete("a", true).expect("delete twice");
-        fake.create("b", 2 * FAKE_ALIGNMENT).expect("b fits now");
+        fake.create("b", 2 * FAKE_ALIGNMENT, Usage::AppDirect)
+            .expect("b fits now");
         assert_eq!(fake.capacity().expect("cap").available(), FAKE_ALIGNMENT);
         assert!(matches!(
             fake.attach("b"),

@@ -2,11 +2,13 @@
 //! socket, the device backends, and crash-safe node state in PMEM-CSI 1.0's format.
 
 pub mod backend;
+pub mod block_device;
 pub mod capability;
 pub mod client;
 pub mod config;
 pub mod controller;
 pub mod csi;
+pub mod direct;
 pub mod emulated;
 pub mod error;
 pub mod fake;
@@ -14,13 +16,16 @@ pub mod faults;
 pub mod filesystem;
 pub mod identity;
 pub mod loopdev;
+pub mod lvm;
 pub mod metrics;
 pub mod mounts;
+pub mod ndctl;
 pub mod node;
 pub mod parameters;
 
 pub mod server;
 pub mod state;
+pub mod tool;
 pub mod volume_id;
 pub mod volumes;
 
@@ -58,6 +63,25 @@ pub enum DriverError {
     Server(#[from] server::ServerError),
 }
 
+/// The backend of another device mode, for volumes recorded in it: lvm and direct live on the
+/// node's PMEM whatever mode runs now; an emulated region's directory and size, and a fake
+/// backend's memory, are known only to the driver that ran them.
+fn open_other_mode(
+    mode: backend::DeviceMode,
+) -> Result<Arc<dyn backend::Backend>, backend::BackendError> {
+    match mode {
+        backend::DeviceMode::Lvm => Ok(Arc::new(lvm::Lvm::existing()?)),
+        backend::DeviceMode::Direct => Ok(Arc::new(direct::Direct::new()?)),
+        backend::DeviceMode::Emulated | backend::DeviceMode::Fake => {
+            Err(backend::BackendError::io(
+                "opening",
+                format!("device mode {}", mode.as_str()),
+                "its volumes are reachable only from a driver running that mode",
+            ))
+        }
+    }
+}
+
 /// A node driver with its state loaded and repaired, its socket bound, ready to serve.
 pub struct NodeDriver {
     config: NodeConfig,
@@ -90,6 +114,20 @@ impl NodeDriver {
                     )?)
                 }
                 backend::DeviceMode::Fake => Arc::new(fake::Fake::new(config.emulated_size)),
+                backend::DeviceMode::Lvm => {
+                    Arc::new(lvm::Lvm::new(config.pmem_percentage).map_err(|source| {
+                        DriverError::Backend {
+                            mode: "lvm",
+                            source,
+                        }
+                    })?)
+                }
+                backend::DeviceMode::Direct => Arc::new(direct::Direct::new().map_err(
+                    |source| DriverError::Backend {
+                        mode: "direct",
+                        source,
+                    },
+                )?),
             };
         let state_error = |source: error::VolumeError| DriverError::State {
             dir: config.state_dir.clone(),
@@ -99,7 +137,8 @@ impl NodeDriver {
             .map_err(|e| state_error(error::VolumeError::from(e)))?;
         let volumes = Arc::new(
             volumes::Volumes::open(backend, state, config.default_volume_size)
-                .map_err(state_error)?,
+                .map_err(state_error)?
+                .with_other_modes(Box::new(open_other_mode)),
         );
         let metrics = metrics::CsiMetrics::register(
             registry,

@@ -87,7 +87,7 @@ impl NodeService {
         let fs = fs.unwrap_or(self.default_fs);
         let device = self
             .volumes
-            .backend()
+            .backend_of(id)?
             .attach(id)
             .map_err(|e| VolumeError::backend(id, e))?;
         faults::point("after-loop-attach");
@@ -131,7 +131,7 @@ impl NodeService {
 
     /// Releases the volume's device if nothing mounts it any more.
     fn release_device(&self, id: &str) -> Result<(), VolumeError> {
-        match self.volumes.backend().detach(id) {
+        match self.volumes.backend_of(id)?.detach(id) {
             Ok(()) => Ok(()),
             // Still staged or published elsewhere: the device stays until the last user goes.
             Err(crate::backend::BackendError::InUse { .. }) => Ok(()),
@@ -149,7 +149,7 @@ impl NodeService {
     ) -> Result<(), VolumeError> {
         let device = self
             .volumes
-            .backend()
+            .backend_of(id)?
             .attached(id)
             .map_err(VolumeError::Backend)?;
         if device.as_deref().is_some_and(|d| existing.shows_device(d))
@@ -309,7 +309,7 @@ impl Node for NodeService {
                         PathBuf::from(required(&r.staging_target_path, "staging_target_path")?);
                     let device = self
                         .volumes
-                        .backend()
+                        .backend_of(&id)?
                         .attached(&id)
                         .map_err(VolumeError::Backend)?;
                     let staged = mount_at(&staging)?
@@ -344,7 +344,7 @@ impl Node for NodeService {
                     }
                     let device = self
                         .volumes
-                        .backend()
+                        .backend_of(&id)?
                         .attach(&id)
                         .map_err(|e| VolumeError::backend(&id, e))?;
                     std::fs::OpenOptions::new()
@@ -412,7 +412,7 @@ impl Node for NodeService {
         };
         let device = self
             .volumes
-            .backend()
+            .backend_of(&id)?
             .attached(&id)
             .map_err(VolumeError::Backend)?
             .ok_or_else(not_mounted)?;

@@ -20,9 +20,37 @@ pub fn volume_id(name: &str) -> String {
     format!("{prefix}-{}", hex::encode(digest))
 }
 
+/// Whether `name` has the shape of a volume ID (`<prefix>-<56 hex digits>`): what a backend
+/// sharing its namespace with other users (ndctl namespaces) may treat as its own.
+pub fn looks_like_volume_id(name: &str) -> bool {
+    name.rsplit_once('-').is_some_and(|(prefix, hash)| {
+        prefix.len() <= NAME_PREFIX_BYTES
+            && hash.len() == 56
+            && hash
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn volume_id_shapes() {
+        assert!(looks_like_volume_id(&volume_id("pvc-0123456789")));
+        assert!(looks_like_volume_id(&volume_id("")));
+        assert!(looks_like_volume_id(&volume_id("a-b-c")));
+        for foreign in [
+            "pmem-csi",
+            "backup",
+            "",
+            "pvc-01-xyz",
+            &format!("toolong-{}", "a".repeat(56)),
+        ] {
+            assert!(!looks_like_volume_id(foreign), "{foreign}");
+        }
+    }
 
     #[test]
     fn volume_id_table() {

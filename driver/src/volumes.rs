@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use tokio::sync::{OwnedMutexGuard, watch};
 
-use crate::backend::{Backend, Capacity, align_up};
+use crate::backend::{Backend, BackendError, Capacity, DeviceMode, align_up};
 use crate::error::VolumeError;
 use crate::parameters::{self, Origin, Parameters};
 use crate::state::{StateStore, VolumeState};
@@ -100,10 +100,16 @@ pub fn blocking<T>(f: impl FnOnce() -> T) -> T {
     }
 }
 
+/// Opens the backend of a device mode other than the driver's own, for volumes recorded in it
+/// (a driver restarted in another mode still stages and deletes its old volumes).
+pub type OtherModes =
+    Box<dyn Fn(DeviceMode) -> Result<Arc<dyn Backend>, BackendError> + Send + Sync>;
+
 /// This node's volumes.
-#[derive(Debug)]
 pub struct Volumes {
     backend: Arc<dyn Backend>,
+    other_modes: Option<OtherModes>,
+    opened: Mutex<HashMap<DeviceMode, Arc<dyn Backend>>>,
     state: StateStore,
     index: Mutex<BTreeMap<String, VolumeState>>,
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
@@ -121,6 +127,8 @@ impl Volumes {
         let (changes, _) = watch::channel(0);
         let volumes = Self {
             backend,
+            other_modes: None,
+            opened: Mutex::new(HashMap::new()),
             state,
             index: Mutex::new(BTreeMap::new()),
             locks: Mutex::new(HashMap::new()),
@@ -129,6 +137,55 @@ impl Volumes {
         };
         volumes.repair()?;
         Ok(volumes)
+    }
+
+    /// Lets volumes of other device modes be reached through `open`.
+    pub fn with_other_modes(mut self, open: OtherModes) -> Self {
+        self.other_modes = Some(open);
+        self
+    }
+
+    /// The backend volume `id` lives in: the one of the mode its state records (opened on
+    /// first use), the driver's own for a volume it does not know.
+    pub fn backend_of(&self, id: &str) -> Result<Arc<dyn Backend>, VolumeError> {
+        let own = self.backend.mode();
+        let recorded = self
+            .get(id)
+            .and_then(|v| v.parameters.get(parameters::DEVICE_MODE).cloned());
+        let Some(recorded) = recorded else {
+            return Ok(self.backend.clone());
+        };
+        let mode = DeviceMode::parse(&recorded).ok_or_else(|| {
+            VolumeError::Precondition(format!(
+                "volume {id} records unknown device mode {recorded:?}"
+            ))
+        })?;
+        if mode == own {
+            return Ok(self.backend.clone());
+        }
+        let mut opened = self.opened.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(backend) = opened.get(&mode) {
+            return Ok(backend.clone());
+        }
+        let refused = |why: String| {
+            VolumeError::Precondition(format!(
+                "volume {id} lives in device mode {}, this driver runs {}: {why}",
+                mode.as_str(),
+                own.as_str()
+            ))
+        };
+        let open = self
+            .other_modes
+            .as_ref()
+            .ok_or_else(|| refused("other modes are not enabled".into()))?;
+        let backend = blocking(|| open(mode)).map_err(|e| refused(e.to_string()))?;
+        tracing::info!(
+            id,
+            mode = mode.as_str(),
+            "opened the backend of another device mode"
+        );
+        opened.insert(mode, backend.clone());
+        Ok(backend)
     }
 
     fn index(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, VolumeState>> {
@@ -168,7 +225,8 @@ impl Volumes {
                 .size_of(&volume.id)
                 .map_err(VolumeError::Backend)?
             {
-                Some(actual) if actual == size => {
+                // Direct-mode namespaces may hold a little more than asked for.
+                Some(actual) if actual >= size => {
                     index.insert(volume.id.clone(), volume);
                 }
                 Some(actual) => {
@@ -179,8 +237,11 @@ impl Volumes {
                         size,
                         "repair: completing an interrupted allocation"
                     );
+                    let usage = Parameters::parse(&volume.parameters, Origin::State)
+                        .map(|p| p.usage())
+                        .unwrap_or_default();
                     self.backend
-                        .create(&volume.id, size)
+                        .create(&volume.id, size, usage)
                         .map_err(|e| VolumeError::backend(&volume.id, e))?;
                     index.insert(volume.id.clone(), volume);
                 }
@@ -305,7 +366,7 @@ impl Volumes {
             }
             self.state.write(&volume)?;
             crate::faults::point("after-state-write");
-            if let Err(e) = self.backend.create(&id, size) {
+            if let Err(e) = self.backend.create(&id, size, request.parameters.usage()) {
                 if let Err(cleanup) = self.state.remove(&id) {
                     tracing::error!(id, "removing state after a failed create: {cleanup}");
                 }
@@ -333,18 +394,9 @@ impl Volumes {
             return Ok(());
         };
         let stored = Parameters::parse(&volume.parameters, Origin::State)?;
-        let mode = stored
-            .device_mode
-            .as_deref()
-            .unwrap_or(self.backend.mode().as_str());
-        if mode != self.backend.mode().as_str() {
-            return Err(VolumeError::Precondition(format!(
-                "volume {id} lives in device mode {mode}, this driver runs {}",
-                self.backend.mode().as_str()
-            )));
-        }
+        let backend = self.backend_of(id)?;
         blocking(|| {
-            self.backend
+            backend
                 .delete(id, stored.erase_after())
                 .map_err(|e| VolumeError::backend(id, e))?;
             crate::faults::point("before-state-removal");
@@ -354,6 +406,15 @@ impl Volumes {
         self.changed();
         tracing::info!(id, erased = stored.erase_after(), "volume deleted");
         Ok(())
+    }
+}
+
+impl std::fmt::Debug for Volumes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Volumes")
+            .field("backend", &self.backend)
+            .field("state", &self.state)
+            .finish_non_exhaustive()
     }
 }
 

@@ -1,0 +1,388 @@
+//! The `direct` backend, as PMEM-CSI's direct (ndctl) mode: one namespace per volume, named by
+//! its volume ID, fsdax with its page metadata on the device for `usage: AppDirect`, sector
+//! (4 KiB, BTT) for `FileIO`, in the first region with room, sized in the region's alignment.
+//!
+//! Unlike PMEM-CSI (its issue #933), a volume's usable size is never smaller than requested:
+//! the namespace is made large enough to hold its own metadata too.
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use crate::backend::{Backend, BackendError, Capacity, DeviceMode, Pool, align_down, align_up};
+use crate::block_device;
+use crate::mounts::{self, MountInfo};
+use crate::ndctl::{self, FSDAX_ALIGNMENT, Namespace, NamespaceMode, Region};
+use crate::parameters::Usage;
+use crate::volume_id::looks_like_volume_id;
+
+/// Bytes zeroed at the start of a new volume (see the lvm backend).
+const HEADER_BYTES: u64 = 4096;
+
+/// Raw namespace bytes for `size` usable bytes in a region aligned to `alignment`: fsdax
+/// keeps 64 bytes of page metadata per 4 KiB page plus an 8 KiB info block, rounded to the
+/// 2 MiB mapping alignment; BTT keeps about one 4 KiB map entry and flog per 1 MiB arena
+/// block, bounded here by 1/256 plus 8 MiB. An estimate: creation checks the result and
+/// grows the namespace by one step if the kernel kept more.
+pub fn raw_size(size: u64, mode: NamespaceMode, alignment: u64) -> Option<u64> {
+    let metadata = match mode {
+        NamespaceMode::Fsdax => align_up(
+            (size / 4096).checked_mul(64)?.checked_add(8 << 10)?,
+            FSDAX_ALIGNMENT,
+        )?,
+        NamespaceMode::Sector => size / 256 + (8 << 20),
+        NamespaceMode::Other => 0,
+    };
+    align_up(size.checked_add(metadata)?, alignment)
+}
+
+/// The largest usable size, a multiple of `unit`, whose namespace fits in `raw` bytes.
+pub fn usable_in(raw: u64, mode: NamespaceMode, alignment: u64, unit: u64) -> u64 {
+    // raw_size is monotonic: binary search over multiples of unit.
+    let unit = unit.max(1);
+    let (mut lo, mut hi) = (0u64, raw / unit);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        match raw_size(mid * unit, mode, alignment) {
+            Some(r) if r <= raw => lo = mid,
+            _ => hi = mid - 1,
+        }
+    }
+    lo * unit
+}
+
+/// The namespace mode of a volume's usage.
+pub fn mode_for(usage: Usage) -> NamespaceMode {
+    match usage {
+        Usage::AppDirect => NamespaceMode::Fsdax,
+        Usage::FileIO => NamespaceMode::Sector,
+    }
+}
+
+/// One namespace per volume.
+#[derive(Debug)]
+pub struct Direct {
+    alignment: u64,
+    // ndctl's library is not safe for concurrent use on one bus (pmem/ndctl#96), and the fit
+    // check must see the namespace of the volume before it.
+    lock: Mutex<()>,
+}
+
+fn ndctl_err(
+    op: &'static str,
+    what: impl std::fmt::Display,
+) -> impl FnOnce(ndctl::NdctlError) -> BackendError {
+    move |e| BackendError::io(op, what, e)
+}
+
+impl Direct {
+    /// Checks that the regions can be read and changed; the volume size unit is the coarsest
+    /// namespace alignment of the usable regions.
+    pub fn new() -> Result<Self, BackendError> {
+        ensure_writable_sys(Path::new("/sys"), Path::new("/host-sys"))?;
+        let regions = ndctl::list().map_err(ndctl_err("listing", "PMEM regions"))?;
+        let alignment = regions
+            .iter()
+            .filter(|r| r.usable())
+            .map(Region::namespace_alignment)
+            .max()
+            .unwrap_or(FSDAX_ALIGNMENT);
+        tracing::info!(
+            regions = regions.iter().filter(|r| r.usable()).count(),
+            alignment,
+            "direct backend ready"
+        );
+        Ok(Self {
+            alignment,
+            lock: Mutex::new(()),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.lock
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn regions() -> Result<Vec<Region>, BackendError> {
+        ndctl::list().map_err(ndctl_err("listing", "PMEM regions"))
+    }
+
+    /// Volume namespaces: those named like a volume ID. Others (an administrator's, the lvm
+    /// mode's `pmem-csi`) are never listed, so start-up repair cannot take them for orphans.
+    fn volumes(regions: &[Region]) -> impl Iterator<Item = &Namespace> {
+        regions
+            .iter()
+            .flat_map(|r| &r.namespaces)
+            .filter(|ns| ns.size > 0)
+            .filter(|ns| ns.name.as_deref().is_some_and(looks_like_volume_id))
+    }
+
+    fn find(regions: &[Region], id: &str) -> Option<Namespace> {
+        Self::volumes(regions)
+            .find(|ns| ns.name.as_deref() == Some(id))
+            .cloned()
+    }
+
+    fn pool(&self, region: &Region) -> Pool {
+        // Published in usable fsdax bytes: what a volume of that size needs.
+        let unit = self.alignment;
+        let align = region.namespace_alignment();
+        let free = usable_in(region.available, NamespaceMode::Fsdax, align, unit);
+        Pool {
+            name: region.dev.clone(),
+            managed: region.size,
+            free,
+            largest: usable_in(region.max_extent, NamespaceMode::Fsdax, align, unit).min(free),
+        }
+    }
+
+    /// Creates the namespace in the first region with room, in the given mode.
+    pub fn create_in_mode(
+        &self,
+        id: &str,
+        size: u64,
+        mode: NamespaceMode,
+    ) -> Result<(), BackendError> {
+        let _guard = self.lock();
+        let regions = Self::regions()?;
+        if let Some(ns) = Self::find(&regions, id) {
+            if ns.size >= size && ns.mode == mode {
+                return Ok(());
+            }
+            return Err(BackendError::io(
+                "creating",
+                format!("namespace {id}"),
+                format!(
+                    "{} exists with {} usable bytes in mode {}",
+                    ns.dev,
+                    ns.size,
+                    ns.mode.as_str()
+                ),
+            ));
+        }
+        let usable: Vec<&Region> = regions.iter().filter(|r| r.usable()).collect();
+        let Some(region) = usable.iter().find(|r| {
+            raw_size(size, mode, r.namespace_alignment()).is_some_and(|raw| raw <= r.max_extent)
+        }) else {
+            let pools: Vec<Pool> = usable.iter().map(|r| self.pool(r)).collect();
+            return Err(BackendError::NoSpace {
+                need: size,
+                largest: pools.iter().map(|p| p.largest).max().unwrap_or(0),
+                free: pools.iter().map(|p| p.free).sum(),
+            });
+        };
+        let align = region.namespace_alignment();
+        let mut raw = raw_size(size, mode, align).unwrap_or(u64::MAX);
+        loop {
+            let ns = ndctl::create(&region.dev, mode, raw, id)
+                .map_err(ndctl_err("creating namespace for volume", id))?;
+            if ns.size >= size {
+                let device = PathBuf::from(ns.device().ok_or_else(|| {
+                    BackendError::io(
+                        "creating",
+                        format!("namespace {id}"),
+                        "it has no block device",
+                    )
+                })?);
+                let mut file = block_device::claim(id, &device)?;
+                return block_device::zero(&mut file, &device, size.min(HEADER_BYTES));
+            }
+            // The kernel kept more metadata than estimated: one step larger, if there is room.
+            ndctl::destroy(&ns.dev)
+                .map_err(ndctl_err("destroying undersized namespace", &ns.dev))?;
+            tracing::warn!(
+                id,
+                raw,
+                usable = ns.size,
+                size,
+                "namespace smaller than requested; growing it"
+            );
+            raw = raw.saturating_add(align);
+            if raw > region.max_extent {
+                return Err(BackendError::NoSpace {
+                    need: size,
+                    largest: self.pool(region).largest,
+                    free: self.pool(region).free,
+                });
+            }
+        }
+    }
+}
+
+/// Whether the mount at `sys` in `table` is read-only (`None`: nothing mounted there).
+pub fn sys_read_only(table: &[MountInfo], sys: &Path) -> Option<bool> {
+    table
+        .iter()
+        .rev()
+        .find(|m| m.mount_point == sys)
+        .map(MountInfo::read_only)
+}
+
+/// ndctl changes namespaces by writing to /sys. Some container runtimes mount it read-only
+/// even for privileged containers (PMEM-CSI #786, containerd #3221); the host's /sys, mounted
+/// at `host_sys` by the direct overlay, is then bound over it, as PMEM-CSI does.
+fn ensure_writable_sys(sys: &Path, host_sys: &Path) -> Result<(), BackendError> {
+    let table =
+        || mounts::table().map_err(|e| BackendError::io("reading", "/proc/self/mountinfo", e));
+    if sys_read_only(&table()?, sys) != Some(true) {
+        return Ok(());
+    }
+    if !host_sys.exists() {
+        return Err(BackendError::io(
+            "checking",
+            sys.display(),
+            format!(
+                "it is mounted read-only and {} does not exist to bind over it",
+                host_sys.display()
+            ),
+        ));
+    }
+    mounts::bind(host_sys, sys, false).map_err(|e| {
+        BackendError::io(
+            "bind-mounting",
+            format!("{} on {}", host_sys.display(), sys.display()),
+            e,
+        )
+    })?;
+    tracing::info!(
+        "{} was read-only: bound {} over it",
+        sys.display(),
+        host_sys.display()
+    );
+    if sys_read_only(&table()?, sys) == Some(true) {
+        return Err(BackendError::io(
+            "checking",
+            sys.display(),
+            "still read-only after binding the host's over it",
+        ));
+    }
+    Ok(())
+}
+
+impl Backend for Direct {
+    fn mode(&self) -> DeviceMode {
+        DeviceMode::Direct
+    }
+
+    fn alignment(&self) -> u64 {
+        self.alignment
+    }
+
+    fn capacity(&self) -> Result<Capacity, BackendError> {
+        let regions = Self::regions()?;
+        let total = regions.iter().map(|r| r.size).sum();
+        let pools = regions
+            .iter()
+            .filter(|r| r.usable())
+            .map(|r| self.pool(r))
+            .collect();
+        Ok(Capacity::new(pools, total))
+    }
+
+    fn create(&self, id: &str, size: u64, usage: Usage) -> Result<(), BackendError> {
+        self.create_in_mode(id, size, mode_for(usage))
+    }
+
+    fn delete(&self, id: &str, erase: bool) -> Result<(), BackendError> {
+        let _guard = self.lock();
+        let regions = Self::regions()?;
+        let Some(ns) = Self::find(&regions, id) else {
+            return Ok(());
+        };
+        if let Some(device) = ns.device() {
+            let device = PathBuf::from(device);
+            let mut file = block_device::claim(id, &device)?;
+            block_device::zero(
+                &mut file,
+                &device,
+                if erase {
+                    ns.size
+                } else {
+                    ns.size.min(HEADER_BYTES)
+                },
+            )?;
+        }
+        ndctl::destroy(&ns.dev).map_err(ndctl_err("destroying namespace", &ns.dev))
+    }
+
+    fn size_of(&self, id: &str) -> Result<Option<u64>, BackendError> {
+        Ok(Self::find(&Self::regions()?, id).map(|ns| align_down(ns.size, self.alignment)))
+    }
+
+    fn list(&self) -> Result<Vec<String>, BackendError> {
+        let regions = Self::regions()?;
+        Ok(Self::volumes(&regions)
+            .filter_map(|ns| ns.name.clone())
+            .collect())
+    }
+
+    fn attach(&self, id: &str) -> Result<PathBuf, BackendError> {
+        self.attached(id)?.ok_or_else(|| {
+            BackendError::io(
+                "staging",
+                format!("namespace {id}"),
+                "it does not exist or has no block device",
+            )
+        })
+    }
+
+    fn attached(&self, id: &str) -> Result<Option<PathBuf>, BackendError> {
+        Ok(Self::find(&Self::regions()?, id)
+            .and_then(|ns| ns.device())
+            .map(PathBuf::from))
+    }
+
+    fn detach(&self, _id: &str) -> Result<(), BackendError> {
+        // A namespace is a device for as long as it exists.
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MI: u64 = 1 << 20;
+
+    #[test]
+    fn raw_sizes_hold_their_metadata() {
+        for (size, mode, align, want) in [
+            (64 * MI, NamespaceMode::Fsdax, 16 * MI, 80 * MI),
+            (1024 * MI, NamespaceMode::Fsdax, 16 * MI, 1056 * MI),
+            (2 * MI, NamespaceMode::Fsdax, 2 * MI, 4 * MI),
+            (64 * MI, NamespaceMode::Sector, 16 * MI, 80 * MI),
+            (64 * MI, NamespaceMode::Other, 16 * MI, 64 * MI),
+        ] {
+            assert_eq!(raw_size(size, mode, align), Some(want), "{size} {mode:?}");
+        }
+        assert_eq!(raw_size(u64::MAX, NamespaceMode::Fsdax, 16 * MI), None);
+    }
+
+    #[test]
+    fn read_only_sys_is_detected_on_the_last_mount() {
+        let table = crate::mounts::parse(
+            "22 1 0:21 / /sys ro,nosuid - sysfs sysfs ro\n\
+             23 22 0:21 / /sys rw,relatime - sysfs sysfs rw\n\
+             24 1 0:22 / /proc rw - proc proc rw\n",
+        );
+        assert_eq!(sys_read_only(&table, Path::new("/sys")), Some(false));
+        assert_eq!(sys_read_only(&table[..1], Path::new("/sys")), Some(true));
+        assert_eq!(sys_read_only(&table, Path::new("/host-sys")), None);
+    }
+
+    #[test]
+    fn usable_is_the_inverse_of_raw() {
+        for raw in [0, 16 * MI, 80 * MI, 95 * MI, 4096 * MI] {
+            let usable = usable_in(raw, NamespaceMode::Fsdax, 16 * MI, 16 * MI);
+            assert_eq!(usable % (16 * MI), 0);
+            if usable > 0 {
+                assert!(
+                    raw_size(usable, NamespaceMode::Fsdax, 16 * MI).expect("fits") <= raw,
+                    "{raw}"
+                );
+            }
+            let next = raw_size(usable + 16 * MI, NamespaceMode::Fsdax, 16 * MI).expect("finite");
+            assert!(next > raw, "{raw}: {usable} is not the largest");
+        }
+    }
+}
