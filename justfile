@@ -57,6 +57,15 @@ demo *ARGS: tools
     cargo build --workspace --bins
     cargo run --quiet -p testenv --bin demo -- {{ARGS}}
 
+# The lvm and direct modes on emulated NVDIMMs: tests/vm_guest.rs in a QEMU guest with two PMEM
+# regions (tools/vm-test.sh; FILTER picks tests by name). Builds the guest image once per machine.
+vm-test *FILTER: tools
+    bash tools/vm-test.sh {{FILTER}}
+
+# The QEMU guest's kernel and root file system (Debian's, cached per machine).
+vm-image:
+    bash tools/vm-image.sh
+
 # The image's runtime tree without Docker (<target>/image/rootfs, its file list beside it).
 image-rootfs:
     cargo build --release --bin pmem-csi

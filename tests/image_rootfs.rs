@@ -43,6 +43,9 @@ fn the_image_tree_runs_our_binary_and_the_file_system_tools() {
             "losetup from util-linux",
         ),
         (&["/sbin/blkid", "--version"][..], "blkid from util-linux"),
+        (&["/sbin/wipefs", "--version"][..], "wipefs from util-linux"),
+        (&["/sbin/lvm", "version"][..], "LVM version:"),
+        (&["/usr/bin/ndctl", "--version"][..], "7"),
     ] {
         assert!(
             files.lines().any(|f| f == command[0]),

@@ -6,196 +6,14 @@ use std::collections::HashMap;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
-use driver::csi::controller_client::ControllerClient;
-use driver::csi::node_client::NodeClient;
-use driver::csi::volume_capability::{
-    AccessMode, AccessType, BlockVolume, MountVolume, access_mode::Mode,
-};
 use driver::csi::*;
-use testenv::node_driver::{self, NodeDriverDirs};
-use testenv::process::Component;
-use testenv::{Leftovers, ProcessGroup};
+use testenv::csi_client::{Harness, block, mount, params};
 use tonic::Code;
-use tonic::transport::Channel;
 
 const MI: i64 = 1 << 20;
 
-struct Harness {
-    root: tempfile::TempDir,
-    dirs: NodeDriverDirs,
-    driver: Option<Component>,
-    controller: ControllerClient<Channel>,
-    node: NodeClient<Channel>,
-    _group: ProcessGroup,
-}
-
-impl Harness {
-    async fn start(extra: &[&str]) -> Self {
-        Self::start_with(extra, |_| {}).await
-    }
-
-    /// Starts a driver after `prepare` has seen the (empty) directories.
-    async fn start_with(extra: &[&str], prepare: impl FnOnce(&NodeDriverDirs)) -> Self {
-        let root = tempfile::tempdir().expect("tempdir");
-        let dirs = NodeDriverDirs::under(root.path());
-        prepare(&dirs);
-        let group = ProcessGroup::new().expect("group");
-        let mut args = node_driver::emulated_args("node-1", &dirs, "1Gi");
-        args.extend(extra.iter().map(|a| a.to_string()));
-        let driver = node_driver::start(
-            Path::new(env!("CARGO_BIN_EXE_pmem-csi")),
-            args,
-            &dirs,
-            &group,
-            &[],
-        )
-        .await
-        .expect("driver starts");
-        let channel = driver::client::connect(&dirs.socket)
-            .await
-            .expect("connect");
-        Self {
-            root,
-            dirs,
-            driver: Some(driver),
-            controller: ControllerClient::new(channel.clone()),
-            node: NodeClient::new(channel),
-            _group: group,
-        }
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.root.path().join(name)
-    }
-
-    async fn create(&mut self, name: &str, size: i64, parameters: &[(&str, &str)]) -> Volume {
-        self.controller
-            .create_volume(CreateVolumeRequest {
-                name: name.into(),
-                capacity_range: Some(CapacityRange {
-                    required_bytes: size,
-                    limit_bytes: 0,
-                }),
-                volume_capabilities: vec![mount("")],
-                parameters: params(parameters),
-                ..Default::default()
-            })
-            .await
-            .expect("create")
-            .into_inner()
-            .volume
-            .expect("volume")
-    }
-
-    async fn stage(&mut self, id: &str, capability: VolumeCapability) -> Result<(), tonic::Status> {
-        let staging = self.path("staging");
-        self.node
-            .node_stage_volume(NodeStageVolumeRequest {
-                volume_id: id.into(),
-                staging_target_path: staging.display().to_string(),
-                volume_capability: Some(capability),
-                ..Default::default()
-            })
-            .await
-            .map(|_| ())
-    }
-
-    async fn unstage(&mut self, id: &str) {
-        let staging = self.path("staging");
-        self.node
-            .node_unstage_volume(NodeUnstageVolumeRequest {
-                volume_id: id.into(),
-                staging_target_path: staging.display().to_string(),
-            })
-            .await
-            .expect("unstage");
-    }
-
-    async fn publish(
-        &mut self,
-        id: &str,
-        target: &Path,
-        capability: VolumeCapability,
-        readonly: bool,
-        context: &[(&str, &str)],
-    ) -> Result<(), tonic::Status> {
-        let staging = self.path("staging");
-        self.node
-            .node_publish_volume(NodePublishVolumeRequest {
-                volume_id: id.into(),
-                staging_target_path: staging.display().to_string(),
-                target_path: target.display().to_string(),
-                volume_capability: Some(capability),
-                readonly,
-                volume_context: params(context),
-                ..Default::default()
-            })
-            .await
-            .map(|_| ())
-    }
-
-    async fn unpublish(&mut self, id: &str, target: &Path) {
-        self.node
-            .node_unpublish_volume(NodeUnpublishVolumeRequest {
-                volume_id: id.into(),
-                target_path: target.display().to_string(),
-            })
-            .await
-            .expect("unpublish");
-    }
-
-    async fn delete(&mut self, id: &str) {
-        self.controller
-            .delete_volume(DeleteVolumeRequest {
-                volume_id: id.into(),
-                ..Default::default()
-            })
-            .await
-            .expect("delete");
-    }
-
-    async fn volume_ids(&mut self) -> Vec<String> {
-        driver::client::volume_ids(&mut self.controller)
-            .await
-            .expect("list")
-    }
-
-    /// Stops the driver and checks that no loop device or mount of this test remains.
-    async fn finish(mut self) {
-        if let Some(driver) = self.driver.take() {
-            driver.stop().await;
-        }
-        let leftovers = Leftovers::new(i32::MAX, self.root.path().to_path_buf()).find();
-        assert!(leftovers.is_empty(), "left behind: {leftovers:?}");
-    }
-}
-
-fn params(pairs: &[(&str, &str)]) -> HashMap<String, String> {
-    pairs
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect()
-}
-
-fn mount(fs: &str) -> VolumeCapability {
-    VolumeCapability {
-        access_mode: Some(AccessMode {
-            mode: Mode::SingleNodeWriter as i32,
-        }),
-        access_type: Some(AccessType::Mount(MountVolume {
-            fs_type: fs.into(),
-            ..Default::default()
-        })),
-    }
-}
-
-fn block() -> VolumeCapability {
-    VolumeCapability {
-        access_mode: Some(AccessMode {
-            mode: Mode::SingleNodeWriter as i32,
-        }),
-        access_type: Some(AccessType::Block(BlockVolume {})),
-    }
+fn bin() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_pmem-csi"))
 }
 
 fn mount_of(path: &Path) -> Option<driver::mounts::MountInfo> {
@@ -203,7 +21,7 @@ fn mount_of(path: &Path) -> Option<driver::mounts::MountInfo> {
 }
 
 async fn life_cycle(fs: &str, size: i64) {
-    let mut h = Harness::start(&[]).await;
+    let mut h = Harness::emulated(bin(), &[], |_| {}).await;
     let volume = h.create("life", size, &[]).await;
     assert_eq!(volume.capacity_bytes, size);
     let id = volume.volume_id;
@@ -265,7 +83,7 @@ async fn xfs_life_cycle_keeps_data_across_restaging() {
 
 #[tokio::test]
 async fn raw_block_volume_is_the_device() {
-    let mut h = Harness::start(&[]).await;
+    let mut h = Harness::emulated(bin(), &[], |_| {}).await;
     let id = h.create("raw", 8 * MI, &[]).await.volume_id;
     h.stage(&id, block()).await.expect("stage block");
     let target = h.path("block-target");
@@ -312,7 +130,7 @@ async fn raw_block_volume_is_the_device() {
 
 #[tokio::test]
 async fn inline_ephemeral_volume_lives_from_publish_to_unpublish() {
-    let mut h = Harness::start(&[]).await;
+    let mut h = Harness::emulated(bin(), &[], |_| {}).await;
     let handle = "csi-5b2b0a3c4d1e6f708192a3b4c5d6e7f8091a2b3c4d5e6f708192a3b4c5d6e7f8";
     let target = h.path("inline");
     let context = [
@@ -361,7 +179,7 @@ async fn inline_ephemeral_volume_lives_from_publish_to_unpublish() {
 
 #[tokio::test]
 async fn read_only_publish_refuses_writes() {
-    let mut h = Harness::start(&[]).await;
+    let mut h = Harness::emulated(bin(), &[], |_| {}).await;
     let id = h.create("ro", 16 * MI, &[]).await.volume_id;
     h.stage(&id, mount("ext4")).await.expect("stage");
     let target = h.path("ro-target");
@@ -384,7 +202,7 @@ async fn read_only_publish_refuses_writes() {
 
 #[tokio::test]
 async fn bad_input_gets_specific_errors() {
-    let mut h = Harness::start(&[]).await;
+    let mut h = Harness::emulated(bin(), &[], |_| {}).await;
     let id = h.create("good", 8 * MI, &[]).await.volume_id;
     let file_target = h.path("a-file");
     std::fs::write(&file_target, b"").expect("file");
@@ -515,7 +333,7 @@ async fn adopts_pmem_csi_1_0_state_and_contexts() {
         emulated_id,
         "pvc-a6-d3bf70885af9aa7fe39e0007671b912cf9749730ad814c8694225c2a"
     );
-    let mut h = Harness::start_with(&[], |dirs| {
+    let mut h = Harness::emulated(bin(), &[], |dirs| {
         std::fs::create_dir_all(&dirs.state).expect("state dir");
         std::fs::create_dir_all(&dirs.region).expect("region dir");
         for id in [&emulated_id, &lvm_id] {
@@ -589,7 +407,7 @@ async fn adopts_pmem_csi_1_0_state_and_contexts() {
 async fn metrics_report_capacity_and_operations() {
     let port = testenv::ports::free_port().expect("port");
     let admin = format!("--admin-address=127.0.0.1:{port}");
-    let mut h = Harness::start(&[&admin]).await;
+    let mut h = Harness::emulated(bin(), &[&admin], |_| {}).await;
     let id = h.create("metered", 8 * MI, &[]).await.volume_id;
     let client =
         testenv::control_plane::anonymous_probe(&format!("http://127.0.0.1:{port}"), "metrics")

@@ -2,18 +2,24 @@
 # Assembles the runtime filesystem of the pmem-csi image without Docker:
 #   image-rootfs.sh <pmem-csi binary> <output directory> [<file list>]
 # Our binary (normal gnu target) goes to /usr/local/bin with the shared libraries `ldd` lists;
-# e2fsprogs, xfsprogs, util-linux and mount (losetup) are unpacked from this machine's Debian
-# release (their .debs cached per machine), with the libraries their tools link against. The
+# e2fsprogs, xfsprogs, util-linux and mount (losetup), lvm2 and ndctl are unpacked from this
+# machine's Debian release (their .debs cached per machine), with the libraries their tools link
+# against. The
 # Dockerfile copies the same tree; <file list> gets every path in it, one per line.
 set -euo pipefail
 
 binary=${1:?usage: image-rootfs.sh <pmem-csi binary> <output directory> [<file list>]}
 out=${2:?usage: image-rootfs.sh <pmem-csi binary> <output directory> [<file list>]}
 list=${3:-}
-packages=(e2fsprogs xfsprogs util-linux mount)
-# What the driver runs (mkfs.*, blkid, losetup) and what an operator needs inside the image.
-tools=(sbin/mkfs.ext4 sbin/mkfs.xfs sbin/blkid sbin/losetup sbin/e2fsck sbin/xfs_repair
-       bin/mount bin/umount)
+# The lvm and direct modes' tools come with the libraries they link against that a build host
+# need not have installed (ldd below resolves only what the host has).
+packages=(e2fsprogs xfsprogs util-linux mount lvm2 dmsetup ndctl
+          libndctl6 libdaxctl1 libaio1 libdevmapper1.02.1 libdevmapper-event1.02.1 libjson-c5
+          libkmod2 libiniparser1)
+# What the driver runs (mkfs.*, blkid, losetup, wipefs, lvm, ndctl) and what an operator needs
+# inside the image.
+tools=(sbin/mkfs.ext4 sbin/mkfs.xfs sbin/blkid sbin/losetup sbin/wipefs sbin/e2fsck sbin/xfs_repair
+       bin/mount bin/umount sbin/lvm sbin/dmsetup usr/bin/ndctl)
 
 [[ -x $binary ]] || { echo "image-rootfs: $binary is not an executable" >&2; exit 1; }
 # shellcheck source=/dev/null

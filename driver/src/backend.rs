@@ -166,6 +166,13 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn attached(&self, id: &str) -> Result<Option<PathBuf>, BackendError>;
     /// Releases the block device of volume `id` if one is attached and unused.
     fn detach(&self, id: &str) -> Result<(), BackendError>;
+    /// Whether a create can be cut short by a crash, leaving a volume smaller than asked for
+    /// that start-up repair must complete. Not so for `lvcreate` and `ndctl create-namespace`,
+    /// whose volumes exist whole or not at all, and may be smaller than recorded when PMEM-CSI
+    /// 1.0 created them (direct mode: its issue #933).
+    fn partial_creates(&self) -> bool {
+        false
+    }
     /// Adopts volume `id` of `size` bytes known only from node state (backends without
     /// persistent devices); returns false if the backend cannot adopt volumes.
     fn adopt(&self, _id: &str, _size: u64) -> bool {

@@ -358,6 +358,29 @@ mod tests {
         assert_eq!(raw_size(u64::MAX, NamespaceMode::Fsdax, 16 * MI), None);
     }
 
+    /// The estimate never undercuts the kernel: for each namespace ndctl created in the guest
+    /// (testdata/ndctl, region alignment 16 MiB), the raw size estimated for its usable size
+    /// is at least the raw size it was created with.
+    #[test]
+    fn estimates_cover_recorded_namespaces() {
+        for (raw, usable, mode) in [
+            (64 * MI, 65011712, NamespaceMode::Fsdax),
+            (48 * MI, 48234496, NamespaceMode::Fsdax),
+            (32 * MI, 31457280, NamespaceMode::Fsdax),
+            (16 * MI, 14680064, NamespaceMode::Fsdax),
+            (1024 * MI, 1054867456, NamespaceMode::Fsdax),
+            (32 * MI, 32440320, NamespaceMode::Sector),
+            (48 * MI, 49201152, NamespaceMode::Sector),
+            (64 * MI, 65961984, NamespaceMode::Sector),
+        ] {
+            let estimate = raw_size(usable, mode, 16 * MI).expect("finite");
+            assert!(
+                estimate >= raw,
+                "{mode:?} {usable}: estimated {estimate} < {raw}"
+            );
+        }
+    }
+
     #[test]
     fn read_only_sys_is_detected_on_the_last_mount() {
         let table = crate::mounts::parse(

@@ -98,6 +98,11 @@ impl Backend for Emulated {
         EMULATED_ALIGNMENT
     }
 
+    fn partial_creates(&self) -> bool {
+        // fallocate can be interrupted part way.
+        true
+    }
+
     fn capacity(&self) -> Result<Capacity, BackendError> {
         let free = self.free(self.used_except(None)?)?;
         Ok(Capacity::new(

@@ -69,11 +69,19 @@ pub fn detach(device: &Path) -> Result<(), BackendError> {
     Ok(())
 }
 
-/// Whether the kernel reports DAX support for block `device` (loop devices never do).
+/// Whether the kernel reports DAX support for block `device` (loop devices never do). Found by
+/// device number: a logical volume's paths (`/dev/<vg>/<lv>`, `/dev/mapper/…`) are not the
+/// `dm-N` name /sys/block knows.
 pub fn supports_dax(device: &Path) -> bool {
-    let Some(name) = device.file_name() else {
-        return false;
+    let queue = match crate::mounts::block_device_number(device) {
+        Some(rdev) => {
+            let (major, minor) = (rustix::fs::major(rdev), rustix::fs::minor(rdev));
+            Path::new("/sys/dev/block").join(format!("{major}:{minor}"))
+        }
+        None => match device.file_name() {
+            Some(name) => Path::new("/sys/block").join(name),
+            None => return false,
+        },
     };
-    std::fs::read_to_string(Path::new("/sys/block").join(name).join("queue/dax"))
-        .is_ok_and(|v| v.trim() == "1")
+    std::fs::read_to_string(queue.join("queue/dax")).is_ok_and(|v| v.trim() == "1")
 }

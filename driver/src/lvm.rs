@@ -594,6 +594,68 @@ mod tests {
         }
     }
 
+    fn recorded(name: &str) -> String {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../testdata/lvm")
+            .join(name);
+        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    }
+
+    #[test]
+    fn recorded_reports_parse() {
+        let groups = parse_vgs(&recorded("vgs-2-vg.json")).expect("vgs");
+        assert_eq!(
+            groups,
+            [
+                VolumeGroup {
+                    name: "ndbus0region0fsdax".into(),
+                    size: 1052770304,
+                    free: 880803840
+                },
+                VolumeGroup {
+                    name: "ndbus0region1fsdax".into(),
+                    size: 524288000,
+                    free: 490733568
+                },
+            ]
+        );
+        assert!(
+            parse_vgs(&recorded("vgs-no-vg.json"))
+                .expect("none")
+                .is_empty()
+        );
+        assert!(
+            parse_vgs(&recorded("vgs-missing-vg.json"))
+                .expect("missing")
+                .is_empty()
+        );
+        let volumes = parse_lvs(&recorded("lvs-2-lv.json")).expect("lvs");
+        assert_eq!(volumes.len(), 2);
+        assert_eq!(volumes[1].name, "vol2");
+        assert_eq!(volumes[1].size, 100 * MI);
+        assert_eq!(volumes[1].path, Path::new("/dev/ndbus0region0fsdax/vol2"));
+        assert!(
+            parse_lvs(&recorded("lvs-0-lv.json"))
+                .expect("empty")
+                .is_empty()
+        );
+        for bad in ["", "[]x", r#"{"report":[{"lv":[{"lv_name":"a"}]}]}"#] {
+            assert!(parse_lvs(bad).is_err(), "{bad:?}");
+        }
+        let bad_size = r#"{"report":[{"vg":[{"vg_name":"a","vg_size":"1.5g","vg_free":"0"}]}]}"#;
+        assert!(parse_vgs(bad_size).is_err());
+    }
+
+    #[test]
+    fn recorded_errors_classify() {
+        let stderr = |f: &str| recorded(f).trim().to_string();
+        assert!(is_no_space(&stderr("lvcreate-insufficient.stderr")));
+        assert!(!is_no_space(&stderr("lvcreate-exists.stderr")));
+        assert!(!is_no_space(&stderr("lvcreate-missing-vg.stderr")));
+        assert!(is_missing(&stderr("lvremove-missing.stderr")));
+        assert!(!is_missing(&stderr("lvcreate-insufficient.stderr")));
+    }
+
     #[test]
     fn vg_names_are_pmem_csis() {
         assert_eq!(vg_name(&region(0, 0, 0)), "ndbus0region1fsdax");

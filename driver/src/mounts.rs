@@ -29,16 +29,37 @@ impl MountInfo {
     }
 
     /// Whether this mount shows `device`: a file system on it, or the device node itself
-    /// bind-mounted (raw block publish).
+    /// bind-mounted (raw block publish). The same device can have several paths (a logical
+    /// volume's `/dev/<vg>/<lv>`, `/dev/mapper/…`, `/dev/dm-N`), so beyond the path given, the
+    /// device numbers decide where the nodes exist.
     pub fn shows_device(&self, device: &Path) -> bool {
         if Path::new(&self.source) == device {
             return true;
         }
-        let Some(name) = device.file_name() else {
-            return false;
-        };
-        self.fs_type == "devtmpfs" && Path::new(&self.root) == Path::new("/").join(name)
+        let resolved = std::fs::canonicalize(device).unwrap_or_else(|_| device.to_path_buf());
+        if Path::new(&self.source) == resolved {
+            return true;
+        }
+        let node = block_device_number(&resolved);
+        if self.fs_type == "devtmpfs" {
+            // A bind of the node: the mount point is the node.
+            if node.is_some() && block_device_number(&self.mount_point) == node {
+                return true;
+            }
+            let Some(name) = resolved.file_name() else {
+                return false;
+            };
+            return Path::new(&self.root) == Path::new("/").join(name);
+        }
+        node.is_some() && block_device_number(Path::new(&self.source)) == node
     }
+}
+
+/// The device number of block device `path`, if it is one.
+pub fn block_device_number(path: &Path) -> Option<u64> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let meta = std::fs::metadata(path).ok()?;
+    meta.file_type().is_block_device().then(|| meta.rdev())
 }
 
 /// mountinfo escapes space, tab, newline and backslash as octal.
@@ -155,5 +176,34 @@ bogus line";
         ] {
             assert_eq!(m[i].shows_device(Path::new(device)), want, "{i} {device}");
         }
+    }
+
+    #[test]
+    fn a_symlinked_device_is_recognised_by_its_node() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let node = dir.path().join("dm-7");
+        std::fs::write(&node, b"").expect("node");
+        let link = dir.path().join("pvc-1a-volume");
+        std::os::unix::fs::symlink(&node, &link).expect("symlink");
+        let bind = MountInfo {
+            root: "/dm-7".into(),
+            mount_point: "/target".into(),
+            options: vec!["rw".into()],
+            fs_type: "devtmpfs".into(),
+            source: "udev".into(),
+            super_options: Vec::new(),
+        };
+        assert!(bind.shows_device(&link));
+        assert!(!bind.shows_device(&dir.path().join("missing")));
+        let fs = MountInfo {
+            root: "/".into(),
+            fs_type: "ext4".into(),
+            source: node.display().to_string(),
+            ..bind
+        };
+        assert!(
+            fs.shows_device(&link),
+            "mounted through the node's own path"
+        );
     }
 }

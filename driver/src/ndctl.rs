@@ -214,7 +214,8 @@ fn parse_region(bus: &str, v: &Value, text: &str) -> Result<Region, NdctlError> 
 }
 
 /// Parses `ndctl list --buses --regions --namespaces --idle --verbose`: every region with its
-/// bus and namespaces, in bus and region order. Empty output means no PMEM.
+/// bus and namespaces, in bus and region order. Empty output means no PMEM. Without a bus level
+/// (`{"regions": […]}`, as `ndctl list -RN` prints) the regions are taken to be on `ndbus0`.
 pub fn parse_regions(text: &str) -> Result<Vec<Region>, NdctlError> {
     if text.trim().is_empty() {
         return Ok(Vec::new());
@@ -222,10 +223,16 @@ pub fn parse_regions(text: &str) -> Result<Vec<Region>, NdctlError> {
     let root: Value =
         serde_json::from_str(text).map_err(|e| output_error(format!("not JSON: {e}"), text))?;
     let mut regions = Vec::new();
-    for bus in items(Some(&root)) {
-        let name = str_field(bus, "dev", text)?;
-        for region in items(bus.get("regions")) {
-            regions.push(parse_region(name, region, text)?);
+    for item in items(Some(&root)) {
+        if item.get("regions").is_some() {
+            let bus = item.get("dev").and_then(Value::as_str).unwrap_or("ndbus0");
+            for region in items(item.get("regions")) {
+                regions.push(parse_region(bus, region, text)?);
+            }
+        } else if item.get("available_size").is_some() {
+            regions.push(parse_region("ndbus0", item, text)?);
+        } else if item.get("provider").is_none() {
+            return Err(output_error("neither a bus nor a region", text));
         }
     }
     regions.sort_by(|a, b| natural(&a.bus, &b.bus).then_with(|| natural(&a.dev, &b.dev)));
@@ -329,6 +336,103 @@ mod tests {
                 want,
                 "{align:?} × {ways}"
             );
+        }
+    }
+
+    fn recorded(name: &str) -> String {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../testdata/ndctl")
+            .join(name);
+        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    }
+
+    #[test]
+    fn recorded_listings_parse() {
+        let fresh = parse_regions(&recorded("list-RNiv-fresh.json")).expect("fresh");
+        assert_eq!(fresh.len(), 2);
+        for (region, dev) in fresh.iter().zip(["region0", "region1"]) {
+            assert_eq!(region.dev, dev);
+            assert_eq!(region.bus, "ndbus0");
+            assert_eq!(region.size, 4 << 30);
+            assert_eq!(region.available, 4 << 30);
+            assert_eq!(region.align, Some(16 << 20));
+            assert!(region.usable());
+            assert!(
+                region.namespaces.iter().all(|ns| ns.size == 0),
+                "{region:?}"
+            );
+        }
+        let both = parse_regions(&recorded("list-RNiv-both-regions.json")).expect("both");
+        assert_eq!(both[0].dev, "region0", "sorted by region");
+        assert_eq!(both[0].available, 2 << 30);
+        let own: Vec<_> = both[0]
+            .namespaces
+            .iter()
+            .filter(|ns| ns.name.as_deref() == Some(PMEM_CSI_NAMESPACE))
+            .collect();
+        assert_eq!(own.len(), 2);
+        assert!(
+            own.iter()
+                .all(|ns| ns.mode == NamespaceMode::Fsdax && ns.enabled)
+        );
+        assert_eq!(own[1].device().as_deref(), Some("/dev/pmem0"));
+        let volume = both[1]
+            .namespaces
+            .iter()
+            .find(|ns| ns.size > 0)
+            .expect("volume namespace");
+        assert_eq!(
+            volume.name.as_deref(),
+            Some("pvc-5f3c6b62-0b5d-4d3a-8b1e-3a4a3a9b1c2d")
+        );
+        assert_eq!(volume.size, 130023424);
+        let seed = both[1]
+            .namespaces
+            .iter()
+            .find(|ns| ns.size == 0)
+            .expect("seed");
+        assert!(!seed.enabled && seed.mode == NamespaceMode::Other);
+        let sector = parse_regions(&recorded("list-RNiv-with-sector.json")).expect("sector");
+        assert!(
+            sector[1]
+                .namespaces
+                .iter()
+                .any(|ns| ns.mode == NamespaceMode::Sector
+                    && ns.blockdev.as_deref().is_some_and(|b| b.ends_with('s')))
+        );
+        assert!(parse_regions("").expect("empty").is_empty());
+        assert!(parse_regions("[{\"oops\":1}]").is_err());
+        assert!(parse_regions("not json").is_err());
+    }
+
+    #[test]
+    fn recorded_creations_parse() {
+        for (file, mode, size) in [
+            (
+                "create-namespace-fsdax-64M.json",
+                NamespaceMode::Fsdax,
+                65011712,
+            ),
+            (
+                "create-namespace-fsdax-16M.json",
+                NamespaceMode::Fsdax,
+                14680064,
+            ),
+            (
+                "create-namespace-sector-32M.json",
+                NamespaceMode::Sector,
+                32440320,
+            ),
+        ] {
+            let text = recorded(file);
+            let v: Value = serde_json::from_str(&text).expect("JSON");
+            let ns = parse_namespace(&v, &text).expect(file);
+            assert_eq!(
+                (ns.mode, ns.size, ns.name.as_deref()),
+                (mode, size, Some("probe")),
+                "{file}"
+            );
+            assert!(ns.device().is_some(), "{file}");
         }
     }
 

@@ -45,6 +45,10 @@ pub fn run(program: &str, args: &[&str]) -> Result<String, ToolError> {
         // LVM warns about every file descriptor it inherits; the driver's sockets are not its
         // business, and its locale must not change the output we parse.
         .env("LVM_SUPPRESS_FD_WARNINGS", "1")
+        // In a container no udev answers LVM's requests to create /dev/<vg>/<lv> (lvcreate
+        // would succeed and the path never appear); libdevmapper then creates the nodes itself.
+        // Where the host's udev also runs, the nodes it makes are the same.
+        .env("DM_DISABLE_UDEV", "1")
         .env("LC_ALL", "C")
         .output()
         .map_err(|source| ToolError::Spawn {

@@ -225,8 +225,9 @@ impl Volumes {
                 .size_of(&volume.id)
                 .map_err(VolumeError::Backend)?
             {
-                // Direct-mode namespaces may hold a little more than asked for.
-                Some(actual) if actual >= size => {
+                // Direct-mode namespaces may hold a little more than asked for (or, made by
+                // PMEM-CSI 1.0, less).
+                Some(actual) if actual >= size || !self.backend.partial_creates() => {
                     index.insert(volume.id.clone(), volume);
                 }
                 Some(actual) => {

@@ -5,6 +5,7 @@
 
 pub mod audit;
 pub mod control_plane;
+pub mod csi_client;
 pub mod csi_sanity;
 pub mod http_client;
 pub mod json_log;
