@@ -52,16 +52,22 @@ fn sh(script: &str) -> String {
 /// PMEM devices (file systems and raw block binds) go, then PMEM-CSI's volume groups, then
 /// every namespace.
 fn reset_pmem() {
-    sh(r#"awk '$1 ~ "^/dev/(pmem|dm-|mapper/|ndbus)" || ($3 == "devtmpfs" && $2 != "/dev") {print $2}' /proc/mounts |
+    sh(
+        r#"awk '$1 ~ "^/dev/(pmem|dm-|mapper/|ndbus)" || ($3 == "devtmpfs" && $2 != "/dev") {print $2}' /proc/mounts |
           sort -r | while read -r target; do umount -l "$target"; done
         for vg in $(vgs --noheadings -o vg_name 2>/dev/null); do vgremove -ff -y "$vg" >/dev/null; done
         for pv in $(pvs --noheadings -o pv_name 2>/dev/null); do pvremove -ff -y "$pv" >/dev/null; done
         dmsetup remove_all
-        ndctl destroy-namespace all --force >/dev/null 2>&1 || true"#);
+        ndctl destroy-namespace all --force >/dev/null 2>&1 || true"#,
+    );
     let regions = driver::ndctl::list().expect("ndctl list");
     assert_eq!(regions.len(), 2, "two regions: {regions:?}");
     for region in &regions {
-        assert_eq!(region.available, region.size, "{} not empty: {region:?}", region.dev);
+        assert_eq!(
+            region.available, region.size,
+            "{} not empty: {region:?}",
+            region.dev
+        );
     }
 }
 
@@ -201,6 +207,7 @@ fn extender_view(mode: &str) -> NodeView {
             .collect(),
         total: capacity.total,
         alignment: backend.alignment(),
+        overhead: backend.overhead(),
     };
     let publisher = Publisher {
         driver: DRIVER.into(),
@@ -224,6 +231,7 @@ fn extender_view(mode: &str) -> NodeView {
         pools: published.pools,
         managed: published.managed.unwrap_or(0),
         alignment: published.alignment,
+        overhead: published.overhead,
         ..NodeView::default()
     }
 }
@@ -234,7 +242,7 @@ fn extender_view(mode: &str) -> NodeView {
 #[tokio::test]
 #[ignore = "in the QEMU guest: just vm-test"]
 async fn the_extenders_fit_predicts_what_the_driver_creates() {
-    for mode in ["lvm", "direct"] {
+    for mode in ["direct", "lvm"] {
         reset_pmem();
         let mut h = harness(mode, &[]).await;
         let view = extender_view(mode);

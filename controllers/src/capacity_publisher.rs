@@ -84,6 +84,25 @@ pub fn object_name(node: &str, class: &str) -> String {
     shorten(&format!("pmem-csi-{node}-{class}"), 253)
 }
 
+/// The annotations the extender reads: managed bytes, alignment, free bytes per pool and, where
+/// volumes keep metadata in the pool, its size.
+fn annotations(
+    publisher: &Publisher,
+    capacity: &NodeCapacity,
+    extents: &[String],
+) -> BTreeMap<String, String> {
+    let key = |suffix: &str| format!("{}/{suffix}", publisher.driver);
+    let mut annotations = BTreeMap::from([
+        (key("managed-bytes"), capacity.managed().to_string()),
+        (key("alignment-bytes"), capacity.alignment.to_string()),
+        (key("free-extents"), extents.join(",")),
+    ]);
+    if let Some(overhead) = &capacity.overhead {
+        annotations.insert(key("volume-overhead"), overhead.to_string());
+    }
+    annotations
+}
+
 /// The capacity objects that should exist for this node (`node_uid`: the Node's UID, the
 /// owner; objects without a Node are not wanted at all).
 pub fn desired(
@@ -124,20 +143,7 @@ pub fn desired(
                         publisher.driver.clone(),
                     ),
                 ])),
-                annotations: Some(BTreeMap::from([
-                    (
-                        format!("{}/managed-bytes", publisher.driver),
-                        capacity.managed().to_string(),
-                    ),
-                    (
-                        format!("{}/alignment-bytes", publisher.driver),
-                        capacity.alignment.to_string(),
-                    ),
-                    (
-                        format!("{}/free-extents", publisher.driver),
-                        extents.join(","),
-                    ),
-                ])),
+                annotations: Some(annotations(publisher, capacity, &extents)),
                 // The Node owns them: deleting the Node lets the garbage collector remove them.
                 // No blockOwnerDeletion: that would need delete permission on Nodes' finalizers.
                 owner_references: Some(vec![OwnerReference {
@@ -476,7 +482,26 @@ mod tests {
             ],
             total: 16 << 30,
             alignment: 4 << 20,
+            overhead: None,
         }
+    }
+
+    #[test]
+    fn volume_overhead_is_published_only_where_volumes_keep_metadata() {
+        let publisher = publisher();
+        let classes = [class("late", "pmem-csi.intel.com", "WaitForFirstConsumer")];
+        let key = "pmem-csi.intel.com/volume-overhead";
+        let plain = desired(&publisher, Some("uid-1"), &classes, &capacity());
+        let annotations = plain[0].metadata.annotations.clone().unwrap_or_default();
+        assert_eq!(annotations.get(key), None);
+        let mut direct = capacity();
+        direct.overhead = Some(crate::VolumeOverhead::FSDAX_MAP_DEV);
+        let objects = desired(&publisher, Some("uid-1"), &classes, &direct);
+        let annotations = objects[0].metadata.annotations.clone().unwrap_or_default();
+        assert_eq!(
+            annotations.get(key).map(|v| v.parse()),
+            Some(Ok(crate::VolumeOverhead::FSDAX_MAP_DEV))
+        );
     }
 
     #[test]

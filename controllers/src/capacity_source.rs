@@ -26,6 +26,9 @@ pub struct NodeCapacity {
     pub total: u64,
     /// Volume sizes are multiples of this.
     pub alignment: u64,
+    /// Metadata each volume keeps beside its data in the pool (`free` counts it; `largest` is
+    /// the largest volume's data).
+    pub overhead: Option<crate::VolumeOverhead>,
 }
 
 impl NodeCapacity {
@@ -80,6 +83,7 @@ mod tests {
             ],
             total: 30,
             alignment: 2,
+            overhead: None,
         };
         assert_eq!(
             (c.available(), c.maximum_volume_size(), c.managed()),

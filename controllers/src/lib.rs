@@ -23,6 +23,7 @@ pub mod readiness;
 pub mod reconcile_metrics;
 pub mod rescheduler;
 pub mod stores;
+pub mod volume_cost;
 pub mod waiting_claims;
 
 pub use admin::{AdminError, AdminServer};
@@ -30,3 +31,4 @@ pub use capacity_source::{CapacitySource, NodeCapacity, PoolCapacity};
 pub use controller_process::{ControllerArgs, ControllerProcess};
 pub use logging::LogFormat;
 pub use readiness::{Readiness, ReadyFlag};
+pub use volume_cost::{VolumeOverhead, volume_cost};

@@ -166,6 +166,11 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn attached(&self, id: &str) -> Result<Option<PathBuf>, BackendError>;
     /// Releases the block device of volume `id` if one is attached and unused.
     fn detach(&self, id: &str) -> Result<(), BackendError>;
+    /// Metadata each volume keeps in its pool besides its data (published, so that the
+    /// extender charges it); `None` where a volume takes exactly its aligned size.
+    fn overhead(&self) -> Option<controllers::VolumeOverhead> {
+        None
+    }
     /// Whether a create can be cut short by a crash, leaving a volume smaller than asked for
     /// that start-up repair must complete. Not so for `lvcreate` and `ndctl create-namespace`,
     /// whose volumes exist whole or not at all, and may be smaller than recorded when PMEM-CSI

@@ -137,11 +137,13 @@ impl Region {
     }
 }
 
-fn gcd(a: u64, b: u64) -> u64 {
+/// Greatest common divisor.
+pub fn gcd(a: u64, b: u64) -> u64 {
     if b == 0 { a } else { gcd(b, a % b) }
 }
 
-fn lcm(a: u64, b: u64) -> u64 {
+/// Least common multiple (of the non-zero one if the other is 0; saturating).
+pub fn lcm(a: u64, b: u64) -> u64 {
     if a == 0 || b == 0 {
         return a.max(b);
     }

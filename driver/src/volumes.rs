@@ -437,6 +437,7 @@ impl controllers::CapacitySource for Volumes {
                 .collect(),
             total: capacity.total,
             alignment: self.backend.alignment(),
+            overhead: self.backend.overhead(),
         })
     }
 

@@ -8,6 +8,7 @@
 //! number at which it last changed, so that allocations the published free list cannot reflect
 //! yet are known (they are placed into the pools again by the fit).
 
+use controllers::volume_cost::{VolumeOverhead, volume_cost};
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
@@ -58,6 +59,8 @@ pub struct PublishedCapacity {
     pub alignment: u64,
     /// Free bytes over all pools (`capacity`): `free-extents` lists at most 16 of them.
     pub free: u64,
+    /// Metadata each volume keeps in its pool (`volume-overhead`; none when not published).
+    pub overhead: Option<VolumeOverhead>,
 }
 
 /// What the fit needs to know about one node, excluding a pod's own claims.
@@ -155,6 +158,8 @@ pub struct Published<'a> {
     pub alignment: u64,
     /// Free bytes over all pools.
     pub free: u64,
+    /// Metadata each volume keeps in its pool.
+    pub overhead: Option<VolumeOverhead>,
 }
 
 impl CapacityRecord {
@@ -170,6 +175,7 @@ impl CapacityRecord {
             managed: self.published.managed,
             alignment: self.published.alignment,
             free: self.published.free,
+            overhead: self.published.overhead,
         }
     }
 }
@@ -635,6 +641,7 @@ impl CapacityIndex {
                 managed: p.managed,
                 alignment: p.alignment,
                 free: p.free,
+                overhead: p.overhead,
             }),
             allocated,
             unreflected,
@@ -653,6 +660,7 @@ impl CapacityIndex {
         let entry = self.nodes.get(node);
         let record = entry.and_then(|e| e.capacity.as_ref());
         let alignment = record.map(|r| r.published.alignment).unwrap_or(1);
+        let overhead = record.and_then(|r| r.published.overhead);
         let from = unreflected.len();
         let mut allocated = 0u64;
         for key in entry.map(|e| &e.volumes).into_iter().flatten() {
@@ -664,7 +672,8 @@ impl CapacityIndex {
             let Some(allocation) = self.allocations.get(key) else {
                 continue;
             };
-            let size = align(allocation.size, alignment);
+            let size =
+                volume_cost(allocation.size, alignment, overhead.as_ref()).unwrap_or(u64::MAX);
             allocated = allocated.saturating_add(size);
             if record.is_none_or(|r| allocation.seq > r.seq) {
                 unreflected.push(size);
@@ -825,6 +834,15 @@ pub fn published_capacity(driver: &str, object: &CSIStorageCapacity) -> Publishe
             .and_then(|v| v.parse().ok())
             .filter(|a| *a > 0)
             .unwrap_or(1),
+        overhead: annotation("volume-overhead").and_then(|v| match v.parse() {
+            Ok(overhead) => Some(overhead),
+            Err(e) => {
+                // Charging no overhead would let the fit admit what the node refuses; the cap
+                // view and the node's own ResourceExhausted still hold.
+                tracing::warn!("{e}; the node's volumes are charged without it");
+                None
+            }
+        }),
     }
 }
 
@@ -834,6 +852,31 @@ mod tests {
     use crate::test_objects::{
         DRIVER, GI, capacity, claim, class, inline_pod, managed_capacity, sized_claim, volume,
     };
+
+    #[test]
+    fn published_overhead_is_read_and_a_malformed_one_ignored() {
+        let mut object = capacity("c-n1", "n1", "2Gi", None);
+        let annotations = object
+            .metadata
+            .annotations
+            .get_or_insert_with(Default::default);
+        annotations.insert(
+            format!("{DRIVER}/volume-overhead"),
+            VolumeOverhead::FSDAX_MAP_DEV.to_string(),
+        );
+        assert_eq!(
+            published_capacity(DRIVER, &object).overhead,
+            Some(VolumeOverhead::FSDAX_MAP_DEV)
+        );
+        let annotations = object
+            .metadata
+            .annotations
+            .get_or_insert_with(Default::default);
+        annotations.insert(format!("{DRIVER}/volume-overhead"), "per-page=lots".into());
+        assert_eq!(published_capacity(DRIVER, &object).overhead, None);
+        let plain = capacity("c-n1", "n1", "2Gi", None);
+        assert_eq!(published_capacity(DRIVER, &plain).overhead, None);
+    }
 
     fn index() -> CapacityIndex {
         let mut index = CapacityIndex::new(DRIVER, GI);

@@ -13,6 +13,7 @@
 
 use std::cmp::Reverse;
 
+use controllers::volume_cost::{VolumeOverhead, volume_cost};
 use smallvec::SmallVec;
 
 /// The reason for a node where the driver definitely does not run.
@@ -35,6 +36,9 @@ pub struct NodeView {
     pub unreflected: Vec<u64>,
     /// Volume sizes round up to a multiple of this; 0 or 1 means no rounding.
     pub alignment: u64,
+    /// Metadata each volume keeps in its pool besides its data (charged to the pod's volumes;
+    /// `unreflected` sizes come charged already).
+    pub overhead: Option<VolumeOverhead>,
 }
 
 /// The pod fits on the node.
@@ -65,6 +69,12 @@ pub fn align(size: u64, alignment: u64) -> Option<u64> {
     } else {
         size.checked_next_multiple_of(alignment)
     }
+}
+
+/// What a pod's volume of `size` bytes takes from the node's pools: aligned, with the node's
+/// per-volume overhead; `None` on overflow.
+pub fn cost(size: u64, view: &NodeView) -> Option<u64> {
+    volume_cost(size, view.alignment, view.overhead.as_ref())
 }
 
 /// The cap view: `managed − allocated − reserved`, never below zero.
@@ -105,7 +115,7 @@ fn one_free_after(view: &NodeView, size: u64) -> Result<u64, Insufficient> {
         volumes: 1,
         bytes: size,
     };
-    let aligned = align(size, view.alignment).ok_or(insufficient)?;
+    let aligned = cost(size, view).ok_or(insufficient)?;
     let cap_after = cap(view).checked_sub(aligned).ok_or(insufficient)?;
     let mut placed = false;
     let mut pools_after = 0u64;
@@ -134,7 +144,7 @@ fn fit_with(view: &NodeView, demand: &[u64], record: bool) -> Result<Fit, Insuff
     };
     let aligned: Small<u64> = demand
         .iter()
-        .map(|s| align(*s, view.alignment))
+        .map(|s| cost(*s, view))
         .collect::<Option<_>>()
         .ok_or(insufficient)?;
     let total = aligned
@@ -512,6 +522,34 @@ mod tests {
         }
     }
 
+    /// A node whose volumes keep metadata in the pool (direct mode's fsdax namespaces) is
+    /// charged data + metadata, aligned: two halves of a 1 GiB region fit only if their
+    /// metadata does too.
+    #[test]
+    fn volumes_are_charged_their_overhead() {
+        let region = NodeView {
+            alignment: 16 * MI,
+            overhead: Some(VolumeOverhead::FSDAX_MAP_DEV),
+            ..view(&[1024 * MI, 512 * MI], 1536 * MI)
+        };
+        assert_eq!(cost(504 * MI, &region), Some(512 * MI));
+        assert_eq!(cost(505 * MI, &region), Some(528 * MI));
+        assert_eq!(fit(&region, &[504 * MI, 504 * MI]), ok(512 * MI, &[0, 0]));
+        assert_eq!(fit(&region, &[504 * MI; 3]), ok(0, &[0, 0, 1]));
+        assert_eq!(
+            fit(&region, &[505 * MI, 504 * MI, 504 * MI]),
+            no(&[505 * MI, 504 * MI, 504 * MI])
+        );
+        assert_eq!(free_after(&region, &[1008 * MI]), Ok(512 * MI));
+        assert!(free_after(&region, &[1009 * MI]).is_err());
+        // Unreflected sizes arrive charged: they are not charged again.
+        let charged = NodeView {
+            unreflected: vec![512 * MI],
+            ..region.clone()
+        };
+        assert_eq!(fit(&charged, &[504 * MI, 504 * MI]), ok(0, &[0, 1]));
+    }
+
     #[test]
     fn reason_does_not_depend_on_the_node() {
         let demand = [GI + 1, GI];
@@ -540,15 +578,19 @@ mod tests {
             0..(64 * GI),
             prop::collection::vec(size, 0..5),
             prop_oneof![Just(0u64), Just(1), Just(4096), Just(2 * MI), Just(GI)],
+            prop_oneof![Just(None), Just(Some(VolumeOverhead::FSDAX_MAP_DEV))],
         )
             .prop_map(
-                |(pools, managed, allocated, reserved, unreflected, alignment)| NodeView {
-                    pools,
-                    managed,
-                    allocated,
-                    reserved,
-                    unreflected,
-                    alignment,
+                |(pools, managed, allocated, reserved, unreflected, alignment, overhead)| {
+                    NodeView {
+                        pools,
+                        managed,
+                        allocated,
+                        reserved,
+                        unreflected,
+                        alignment,
+                        overhead,
+                    }
                 },
             )
     }
@@ -564,7 +606,7 @@ mod tests {
                 let mut placed = vec![0u128; view.pools.len()];
                 let mut total = 0u128;
                 for (size, pool) in demand.iter().zip(&fit.placement) {
-                    let aligned = u128::from(align(*size, view.alignment).expect("test value"));
+                    let aligned = u128::from(cost(*size, &view).expect("test value"));
                     prop_assert!(*pool < view.pools.len());
                     placed[*pool] += aligned;
                     total += aligned;

@@ -3,6 +3,7 @@
 //! preempt (drop candidates where victims leaving does not make room). No I/O: the liveness
 //! judgement comes in as a function, time as an `Instant`.
 
+use controllers::volume_cost::volume_cost;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::str::FromStr;
@@ -10,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 
-use crate::capacity_index::{self, CapacityIndex, ClaimRecord, NodeId, VolumeKey};
+use crate::capacity_index::{CapacityIndex, ClaimRecord, NodeId, VolumeKey};
 use crate::extender_api::{
     ExtenderFilterResult, ExtenderPreemptionResult, ExtenderRequest, HostPriorityList,
     PreemptionRequest, Rejection,
@@ -283,7 +284,8 @@ impl ExtenderState {
             .reserved_into(&published.id, pod_uid, &mut view.unreflected);
         let mut reserved = 0u64;
         for size in view.unreflected.iter_mut().skip(from) {
-            *size = capacity_index::align(*size, published.alignment);
+            *size = volume_cost(*size, published.alignment, published.overhead.as_ref())
+                .unwrap_or(u64::MAX);
             reserved = reserved.saturating_add(*size);
         }
         view.reserved = reserved;
@@ -292,6 +294,7 @@ impl ExtenderState {
         view.managed = published.managed.unwrap_or(u64::MAX);
         view.allocated = allocated;
         view.alignment = published.alignment;
+        view.overhead = published.overhead;
         Some(published.id)
     }
 
@@ -491,7 +494,7 @@ impl ExtenderState {
                 .filter(|p| p.node.as_deref() == Some(node) && !p.terminated)
                 .flat_map(|p| p.inline.iter().map(|(_, size)| *size))
                 // `allocated` counts them aligned; so must what leaves it.
-                .map(|size| capacity_index::align(size, view.alignment))
+                .map(|size| fit::cost(size, &view).unwrap_or(u64::MAX))
                 .collect();
             let freed_total = freed.iter().fold(0, |s: u64, v| s.saturating_add(*v));
             view.allocated = view.allocated.saturating_sub(freed_total);
