@@ -250,8 +250,8 @@ async fn the_extenders_fit_predicts_what_the_driver_creates() {
         let unit = view.alignment.max(1);
         let (a, b) = (view.pools[0], view.pools[1]);
         let part = |pool: u64, num: u64, den: u64| pool / den * num / unit * unit;
+        // Each case costs minutes of LVM and ndctl under TCG: every one checks a different edge.
         let cases: Vec<(&str, Vec<u64>)> = vec![
-            ("one small", vec![part(a, 1, 4)]),
             ("largest pool exactly", vec![a]),
             ("one unit more than the largest pool", vec![a + unit]),
             ("one per pool", vec![part(a, 9, 10), part(b, 9, 10)]),
@@ -263,17 +263,8 @@ async fn the_extenders_fit_predicts_what_the_driver_creates() {
                 "more than any pool, less than both",
                 vec![a + part(b, 1, 2)],
             ),
-            (
-                "halves",
-                vec![part(a, 1, 2), part(a, 1, 2), part(b, 1, 2), part(b, 1, 2)],
-            ),
             ("thirds", vec![part(a, 1, 3); 6]),
             ("thirds and one more", vec![part(a, 1, 3); 7]),
-            (
-                "mixed",
-                vec![part(a, 3, 5), part(b, 3, 10), part(a, 3, 10), part(b, 3, 5)],
-            ),
-            ("both pools full", vec![a, b]),
         ];
         for (name, demand) in cases {
             let predicted = fit::fit(&view, &demand);
