@@ -193,22 +193,10 @@ fn extender_view(mode: &str) -> NodeView {
         "lvm" => Box::new(driver::lvm::Lvm::existing().expect("lvm")),
         _ => Box::new(driver::direct::Direct::new().expect("direct")),
     };
-    let capacity = backend.capacity().expect("capacity");
-    let node_capacity = controllers::NodeCapacity {
-        pools: capacity
-            .pools
-            .iter()
-            .map(|p| controllers::PoolCapacity {
-                name: p.name.clone(),
-                managed: p.managed,
-                free: p.free,
-                largest: p.largest,
-            })
-            .collect(),
-        total: capacity.total,
-        alignment: backend.alignment(),
-        overhead: backend.overhead(),
-    };
+    let node_capacity = backend
+        .capacity()
+        .expect("capacity")
+        .into_node_capacity(backend.alignment(), backend.overhead());
     let publisher = Publisher {
         driver: DRIVER.into(),
         namespace: "pmem-csi".into(),

@@ -84,6 +84,30 @@ impl Capacity {
     pub fn managed(&self) -> u64 {
         self.pools.iter().map(|p| p.managed).sum()
     }
+
+    /// What the capacity publisher writes for a node whose backend has `alignment` and
+    /// `overhead`.
+    pub fn into_node_capacity(
+        self,
+        alignment: u64,
+        overhead: Option<controllers::VolumeOverhead>,
+    ) -> controllers::NodeCapacity {
+        controllers::NodeCapacity {
+            pools: self
+                .pools
+                .into_iter()
+                .map(|p| controllers::PoolCapacity {
+                    name: p.name,
+                    managed: p.managed,
+                    free: p.free,
+                    largest: p.largest,
+                })
+                .collect(),
+            total: self.total,
+            alignment,
+            overhead,
+        }
+    }
 }
 
 /// Backend failures, mapped to gRPC codes at the CSI boundary.

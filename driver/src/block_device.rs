@@ -31,6 +31,18 @@ pub fn claim(id: &str, device: &Path) -> Result<File, BackendError> {
     Ok(File::from(fd))
 }
 
+/// Bytes zeroed at the start of a new volume, or of a deleted one that is not erased, so that
+/// an old file system signature on the same extents is never taken for a new volume's.
+pub const HEADER_BYTES: u64 = 4096;
+
+/// Claims volume `id`'s device at `path` ([`claim`]) and zeros it: all `size` bytes when
+/// `erase`, else its header.
+pub fn scrub(id: &str, path: &Path, size: u64, erase: bool) -> Result<(), BackendError> {
+    let mut device = claim(id, path)?;
+    let bytes = if erase { size } else { size.min(HEADER_BYTES) };
+    zero(&mut device, path, bytes)
+}
+
 /// Writes zeros over the first `bytes` of `device` (already claimed) and flushes them.
 pub fn zero(device: &mut File, path: &Path, bytes: u64) -> Result<(), BackendError> {
     const CHUNK: usize = 1 << 20;

@@ -17,9 +17,6 @@ use crate::ndctl::{self, FSDAX_ALIGNMENT, Namespace, NamespaceMode, Region};
 use crate::parameters::Usage;
 use crate::volume_id::looks_like_volume_id;
 
-/// Bytes zeroed at the start of a new volume (see the lvm backend).
-const HEADER_BYTES: u64 = 4096;
-
 /// What each volume keeps beside its data: an fsdax namespace's page metadata (`--map=dev`).
 /// A sector (BTT) namespace keeps less (about 1 MiB plus 0.1 %, see the recorded sizes in the
 /// tests), so the same charge covers both modes and the extender, which does not know a
@@ -186,8 +183,7 @@ impl Direct {
                         "it has no block device",
                     )
                 })?);
-                let mut file = block_device::claim(id, &device)?;
-                return block_device::zero(&mut file, &device, size.min(HEADER_BYTES));
+                return block_device::scrub(id, &device, size, false);
             }
             // The kernel kept more metadata than estimated: one step larger, if there is room.
             ndctl::destroy(&ns.dev)
@@ -296,17 +292,7 @@ impl Backend for Direct {
             return Ok(());
         };
         if let Some(device) = ns.device() {
-            let device = PathBuf::from(device);
-            let mut file = block_device::claim(id, &device)?;
-            block_device::zero(
-                &mut file,
-                &device,
-                if erase {
-                    ns.size
-                } else {
-                    ns.size.min(HEADER_BYTES)
-                },
-            )?;
+            block_device::scrub(id, Path::new(&device), ns.size, erase)?;
         }
         ndctl::destroy(&ns.dev).map_err(ndctl_err("destroying namespace", &ns.dev))
     }

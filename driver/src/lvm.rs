@@ -3,7 +3,7 @@
 //! volume group named `<bus><region>fsdax`; each volume a logical volume named by its volume
 //! ID, in 4 MiB extents, on the group with the most free space.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Mutex;
 
 use serde_json::Value;
@@ -16,10 +16,6 @@ use crate::tool::{self, ToolError};
 
 /// Logical volumes are multiples of LVM's default extent, as in PMEM-CSI.
 pub const LVM_ALIGNMENT: u64 = 4 << 20;
-
-/// Bytes zeroed at the start of a new or deleted-without-erasing volume, so that an old file
-/// system signature on the same extents is never mistaken for the new volume's.
-const HEADER_BYTES: u64 = 4096;
 
 /// The volume group PMEM-CSI puts a region's `pmem-csi` namespaces in.
 pub fn vg_name(region: &Region) -> String {
@@ -353,11 +349,6 @@ impl Lvm {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
-
-    fn zero_header(id: &str, path: &Path, size: u64) -> Result<(), BackendError> {
-        let mut device = block_device::claim(id, path)?;
-        block_device::zero(&mut device, path, size.min(HEADER_BYTES))
-    }
 }
 
 impl Backend for Lvm {
@@ -431,7 +422,7 @@ impl Backend for Lvm {
                 "lvs does not list it after lvcreate",
             )
         })?;
-        Self::zero_header(id, &lv.path, size)
+        block_device::scrub(id, &lv.path, size, false)
     }
 
     fn delete(&self, id: &str, erase: bool) -> Result<(), BackendError> {
@@ -439,17 +430,8 @@ impl Backend for Lvm {
         let Some(lv) = self.volume(id)? else {
             return Ok(());
         };
-        let mut device = block_device::claim(id, &lv.path)?;
-        block_device::zero(
-            &mut device,
-            &lv.path,
-            if erase {
-                lv.size
-            } else {
-                lv.size.min(HEADER_BYTES)
-            },
-        )?;
-        drop(device);
+        // Scrubbed (and closed) before lvremove, which refuses an open volume.
+        block_device::scrub(id, &lv.path, lv.size, erase)?;
         let target = format!("{}/{}", lv.vg, lv.name);
         match tool::run("lvremove", &["-fy", &target]) {
             Ok(_) => Ok(()),
@@ -493,6 +475,7 @@ impl Backend for Lvm {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
 
     const MI: u64 = 1 << 20;
 

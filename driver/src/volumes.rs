@@ -423,22 +423,8 @@ impl controllers::CapacitySource for Volumes {
     type Error = VolumeError;
 
     fn capacity(&self) -> Result<controllers::NodeCapacity, VolumeError> {
-        let capacity = Volumes::capacity(self)?;
-        Ok(controllers::NodeCapacity {
-            pools: capacity
-                .pools
-                .into_iter()
-                .map(|p| controllers::PoolCapacity {
-                    name: p.name,
-                    managed: p.managed,
-                    free: p.free,
-                    largest: p.largest,
-                })
-                .collect(),
-            total: capacity.total,
-            alignment: self.backend.alignment(),
-            overhead: self.backend.overhead(),
-        })
+        Ok(Volumes::capacity(self)?
+            .into_node_capacity(self.backend.alignment(), self.backend.overhead()))
     }
 
     fn changes(&self) -> watch::Receiver<u64> {
