@@ -3,7 +3,7 @@
 //! bursts are coalesced; objects go with their class, with the CSI server, and with the Node.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use driver::csi::controller_client::ControllerClient;
@@ -176,6 +176,10 @@ async fn publishes_follows_coalesces_and_withdraws() {
     let counter = writes.clone();
     let listed = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let listed_flag = listed.clone();
+    // The last capacity the watch delivered: a GET can see the final write before the watch
+    // event carrying it arrives, so the count is read only once the watch has seen it.
+    let watched_capacity = Arc::new(AtomicU64::new(0));
+    let seen_by_watch = watched_capacity.clone();
     let watched = api.clone();
     let field = format!("metadata.name={name}");
     let watch = tokio::spawn(async move {
@@ -187,6 +191,12 @@ async fn publishes_follows_coalesces_and_withdraws() {
                     counter.fetch_add(1, Ordering::SeqCst);
                 }
                 last_rv = o.metadata.resource_version.clone();
+                if let Some(c) = o
+                    .capacity
+                    .and_then(|q| controllers::quantity::parse_bytes(&q.0).ok())
+                {
+                    seen_by_watch.store(c, Ordering::SeqCst);
+                }
             } else if let watcher::Event::InitApply(o) = event {
                 last_rv = o.metadata.resource_version.clone();
             } else if let watcher::Event::InitDone = event {
@@ -208,12 +218,16 @@ async fn publishes_follows_coalesces_and_withdraws() {
         create(&mut csi, &format!("{ns}-burst-{i}"), 4 * MI).await;
     }
     let after_burst = (1 << 30) - 64 * MI - 50 * 4 * MI;
-    until("capacity after the burst", WAIT, || async {
-        match capacity_of(&api, &name).await? {
-            c if c == after_burst => Ok(()),
-            c => Err(format!("capacity {c}")),
-        }
-    })
+    until(
+        "the watch to deliver the capacity after the burst",
+        WAIT,
+        || async {
+            match watched_capacity.load(Ordering::SeqCst) {
+                c if c == after_burst => Ok(()),
+                c => Err(format!("capacity {c}")),
+            }
+        },
+    )
     .await
     .expect("capacity after the burst");
     let burst_writes = writes.load(Ordering::SeqCst);
