@@ -4,7 +4,7 @@
 # tools/vm-run.sh put into the control share, reports its exit status there and powers off.
 #
 # The control share (9p tag vmctl) holds:
-#   mounts     lines "TAG GUESTDIR": further 9p shares to mount
+#   mounts     lines "TAG GUESTDIR [OPTIONS]": further 9p shares to mount, with extra mount options
 #   cmd        a bash script: the command to run
 #   exit-code  written here: the command's exit status
 # The command's stdout and stderr go to the virtio serial ports named stdout and stderr, which
@@ -53,10 +53,10 @@ fi
 mkdir -p /run/vm
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 vmctl /run/vm ||
     die "mounting the control share failed"
-while read -r tag guestdir; do
+while read -r tag guestdir options; do
     [[ -n $tag ]] || continue
     mkdir -p "$guestdir"
-    mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 "$tag" "$guestdir" ||
+    mount -t 9p -o "trans=virtio,version=9p2000.L,msize=262144${options:+,$options}" "$tag" "$guestdir" ||
         die "mounting share $tag at $guestdir failed"
 done </run/vm/mounts
 

@@ -5,6 +5,10 @@
 #
 # usage: tools/vm-run.sh [options] -- COMMAND [ARG...]
 #   --share HOSTDIR:GUESTDIR  share a host directory read-write (9p); repeatable
+#   --share-ro HOSTDIR:GUESTDIR
+#                             share a host directory read-only, its files cached in the guest
+#                             (9p cache=loose): for binaries the host leaves alone while the
+#                             guest runs; repeatable
 #   --cwd DIR                 the command's working directory in the guest (default /)
 #   --nvdimm-size SIZE        size of each NVDIMM (its region), a multiple of 16M (default 4G);
 #                             its backing file, sparse, has 128 KiB more for the label area
@@ -38,7 +42,8 @@ timeout=600
 accel=
 while (($#)); do
     case $1 in
-        --share) [[ ${2:-} == ?*:/* ]] || usage; shares+=("$2"); shift 2 ;;
+        --share) [[ ${2:-} == ?*:/* ]] || usage; shares+=("$2:rw"); shift 2 ;;
+        --share-ro) [[ ${2:-} == ?*:/* ]] || usage; shares+=("$2:ro"); shift 2 ;;
         --cwd) cwd=${2:?}; shift 2 ;;
         --nvdimm-size) nvdimm_size=${2:?}; shift 2 ;;
         --nvdimm-dir) nvdimm_dir=${2:?}; shift 2 ;;
@@ -111,11 +116,20 @@ share_args=()
 : >"$tmp/ctl/mounts"
 n=0
 for share in ${shares[@]+"${shares[@]}"}; do
+    access=${share##*:}
+    share=${share%:*}
     hostdir=${share%%:/*}
     guestdir=/${share#*:/}
     [[ -d $hostdir ]] || { echo "vm-run: no directory $hostdir to share" >&2; exit 2; }
-    share_args+=(-virtfs "local,path=$(escape "$hostdir"),mount_tag=share$n,security_model=none,id=share$n")
-    echo "share$n $guestdir" >>"$tmp/ctl/mounts"
+    # Without a cache, 9p reads every page of a binary from the host at each exec: 1.5-2.5 s
+    # for our 300 MB debug binary under TCG, against 0.3 s once cached.
+    if [[ $access == ro ]]; then
+        virtfs_access=,readonly=on options=cache=loose
+    else
+        virtfs_access='' options=''
+    fi
+    share_args+=(-virtfs "local,path=$(escape "$hostdir"),mount_tag=share$n,security_model=none,id=share$n$virtfs_access")
+    echo "share$n $guestdir $options" >>"$tmp/ctl/mounts"
     n=$((n + 1))
 done
 {

@@ -23,7 +23,7 @@ bash tools/vm-image.sh
 start=$SECONDS
 # 1 GiB per region: the tests size their volumes from the published pools.
 bash tools/vm-run.sh \
-    --share "$repo:$repo" --share "$target:$target" --share "$tools_dir:$tools_dir" \
+    --share "$repo:$repo" --share-ro "$target:$target" --share-ro "$tools_dir:$tools_dir" \
     --nvdimm-size 1G --memory 3G --timeout "${VM_TEST_TIMEOUT:-1500}" --cwd "$repo" -- \
     env PMEM_CSI_TOOLS_DIR="$tools_dir" RUST_BACKTRACE=1 \
     "$test_binary" --ignored --test-threads=1 "$@"

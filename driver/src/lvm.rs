@@ -3,7 +3,7 @@
 //! volume group named `<bus><region>fsdax`; each volume a logical volume named by its volume
 //! ID, in 4 MiB extents, on the group with the most free space.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use serde_json::Value;
@@ -110,6 +110,11 @@ pub fn parse_lvs(text: &str) -> Result<Vec<LogicalVolume>, BackendError> {
             })
         })
         .collect()
+}
+
+/// The device path LVM gives logical volume `lv` of group `vg` (what `lvs -o lv_path` reports).
+pub fn lv_path(vg: &str, lv: &str) -> PathBuf {
+    Path::new("/dev").join(vg).join(lv)
 }
 
 /// The group a new volume of `size` bytes goes to: the one with the most free space (which
@@ -415,14 +420,10 @@ impl Backend for Lvm {
                 ));
             }
         }
-        let lv = self.volume(id)?.ok_or_else(|| {
-            BackendError::io(
-                "creating",
-                format!("logical volume {id}"),
-                "lvs does not list it after lvcreate",
-            )
-        })?;
-        block_device::scrub(id, &lv.path, size, false)
+        // lvcreate returns once the device node exists (after udev settles, or made by
+        // libdevmapper itself without udev), at LVM's fixed path: no second lvs under the lock.
+        let path = lv_path(&vg.name, id);
+        block_device::scrub(id, &path, size, false)
     }
 
     fn delete(&self, id: &str, erase: bool) -> Result<(), BackendError> {
@@ -475,7 +476,6 @@ impl Backend for Lvm {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::path::Path;
 
     const MI: u64 = 1 << 20;
 
@@ -617,6 +617,9 @@ mod tests {
         assert_eq!(volumes[1].name, "vol2");
         assert_eq!(volumes[1].size, 100 * MI);
         assert_eq!(volumes[1].path, Path::new("/dev/ndbus0region0fsdax/vol2"));
+        for lv in &volumes {
+            assert_eq!(lv_path(&lv.vg, &lv.name), lv.path, "{lv:?}");
+        }
         assert!(
             parse_lvs(&recorded("lvs-0-lv.json"))
                 .expect("empty")
