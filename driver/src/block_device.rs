@@ -65,14 +65,17 @@ pub fn zero(device: &mut File, path: &Path, bytes: u64) -> Result<(), BackendErr
 const SECTOR: u64 = 512;
 
 /// Zeros `[0, bytes)` by `FALLOC_FL_ZERO_RANGE`: Ok(false) where the device (or file system)
-/// does not support it.
+/// does not support it or refuses the range.
 fn zero_range(device: &File, path: &Path, bytes: u64) -> Result<bool, BackendError> {
     use rustix::fs::FallocateFlags;
+    use rustix::io::Errno;
     // Block devices take ZERO_RANGE only together with KEEP_SIZE.
     let flags = FallocateFlags::ZERO_RANGE | FallocateFlags::KEEP_SIZE;
     match rustix::fs::fallocate(device, flags, 0, bytes) {
         Ok(()) => Ok(true),
-        Err(e) if e == rustix::io::Errno::OPNOTSUPP || e == rustix::io::Errno::NODEV => Ok(false),
+        // EINVAL: a range not aligned to the device's logical block (4 KiB on some sector
+        // namespaces); writing zeros works at any length and reports real errors itself.
+        Err(Errno::OPNOTSUPP | Errno::NODEV | Errno::INVAL) => Ok(false),
         Err(e) => Err(BackendError::io("zeroing", path.display(), e)),
     }
 }
