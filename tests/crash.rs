@@ -253,8 +253,10 @@ async fn survives_sigkill_at_random_moments_and_fault_points() {
                 next_name += 1;
                 (format!("pvc-crash-{next_name:05}"), true)
             }
-            // mkfs only runs on an empty device: stage faults need a fresh volume.
-            Op::Stage if fault => {
+            // mkfs only runs on an empty device: stage faults need a fresh volume. A delete
+            // fault drawn while no volume exists needs one too (the op was not drawn by the
+            // model's state, so it may be empty).
+            _ if fault && (op == Op::Stage || model.is_empty()) => {
                 next_name += 1;
                 let name = format!("pvc-crash-{next_name:05}");
                 let id = create_once(&mut c, &name).await;
