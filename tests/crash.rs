@@ -268,17 +268,18 @@ async fn survives_sigkill_at_random_moments_and_fault_points() {
                 (model.keys().nth(pick).cloned().unwrap_or_default(), false)
             }
         };
-        if kill && !fault {
+        let killer = (kill && !fault).then(|| {
             // A random moment: SIGKILL lands while the call below is in flight, or just after.
             let pid = c.driver.as_ref().and_then(|d| d.pid());
             let delay = Duration::from_micros(rng.below(3000));
-            tokio::spawn(async move {
+            let task = tokio::spawn(async move {
                 tokio::time::sleep(delay).await;
                 if let Some(pid) = pid.and_then(|p| rustix::process::Pid::from_raw(p as i32)) {
                     let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
                 }
             });
-        }
+            (pid, task)
+        });
         match op {
             Op::Create => {
                 let id = create_once(&mut c, &name).await;
@@ -332,10 +333,15 @@ async fn survives_sigkill_at_random_moments_and_fault_points() {
                 .await;
             }
         }
-        // A random kill may land after the call completed: give it its moment, so that
-        // every kill is followed by a restart (and start-up repair) right here.
-        if kill && !fault {
-            c.restart_if_dead(Duration::from_millis(6)).await;
+        // A random kill may land after the call completed. Once it has been sent, the driver
+        // that received it (if it is still the current one) is certainly dying: restart it
+        // here, so that every kill is followed by start-up repair and the next call (or the
+        // list below) never meets a dying driver.
+        if let Some((pid, task)) = killer {
+            let _ = task.await;
+            if c.driver.as_ref().and_then(|d| d.pid()) == pid {
+                c.restart_if_dead(Duration::from_secs(5)).await;
+            }
         }
         if fault && c.fault.is_some() {
             // The point was not reached by this call: retire the fault-armed driver.

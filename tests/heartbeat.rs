@@ -34,7 +34,9 @@ fn fixture() -> &'static Fixture {
         let controller = env
             .supervise_controller(
                 "controller",
-                &["--reschedule-grace=2s", "--heartbeat-grace=1s"],
+                // The restart below must fit in the Lease's 3 s + this grace + the 2 s
+                // reschedule grace: 9 s leaves room for a slow stop and start under load.
+                &["--reschedule-grace=2s", "--heartbeat-grace=4s"],
             )
             .expect("controller");
         Fixture {

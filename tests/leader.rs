@@ -30,7 +30,9 @@ fn controller(env: &TestEnv, identity: &str, port: u16) -> Supervised {
         &[
             "--reschedule-grace=1s",
             "--leader-election",
-            "--leader-election-lease-duration=3s",
+            // Long enough that a renewal stalled on a loaded 2-core machine does not move the
+            // lease between the checks below, which read the first holder's metrics.
+            "--leader-election-lease-duration=8s",
             "--leader-election-retry-period=500ms",
             &format!("--leader-election-identity={identity}"),
             &format!("--admin-address=127.0.0.1:{port}"),
@@ -104,15 +106,26 @@ async fn only_the_leader_acts_and_a_standby_takes_over() {
         .await
         .expect("claim");
     rescheduled(&api, "first").await;
-    let events = Api::<Event>::namespaced(client.clone(), &ns)
-        .list(&ListParams::default())
-        .await
-        .expect("events");
-    let count = events
-        .items
-        .iter()
-        .filter(|e| e.reason.as_deref() == Some("Rescheduled"))
-        .count();
+    // The rescheduler patches the claim first and writes its Event after: wait for the Event
+    // (and so for the counter, which is bumped before it) before counting.
+    let events = Api::<Event>::namespaced(client.clone(), &ns);
+    let count = until("the Rescheduled event", WAIT, || async {
+        let list = events
+            .list(&ListParams::default())
+            .await
+            .map_err(|e| e.to_string())?;
+        match list
+            .items
+            .iter()
+            .filter(|e| e.reason.as_deref() == Some("Rescheduled"))
+            .count()
+        {
+            0 => Err("no Rescheduled event yet".to_string()),
+            n => Ok(n),
+        }
+    })
+    .await
+    .expect("event");
     assert_eq!(count, 1, "only the leader patches and reports");
     let unset = "pmem_csi_rescheduler_decisions_total{verdict=\"unset\",reason=\"not-selected-no-csinode-entry\"}";
     let leader_metrics = status(leader_port).await;
@@ -136,6 +149,12 @@ async fn only_the_leader_acts_and_a_standby_takes_over() {
             "leader_election_master_status{{name=\"{LEASE}\"}} 0"
         )),
         "{standby_metrics}"
+    );
+
+    assert_eq!(
+        holder(&leases).await.expect("holder"),
+        first,
+        "the lease must not have moved while the metrics were read"
     );
 
     leader.signal(Signal::KILL).expect("SIGKILL the leader");

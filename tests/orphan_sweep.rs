@@ -110,10 +110,9 @@ async fn deletes_orphans_keeps_the_rest() {
             .await
             .expect("connect"),
     );
-    let gone = create(&mut csi, &ns, "gone").await;
-    let moved = create(&mut csi, &ns, "moved").await;
-    let pending = create(&mut csi, &ns, "pending").await;
-    let referenced = create(&mut csi, &ns, "referenced").await;
+    // The PV exists before its volume does: with a 2 s grace, a PV written after the volume
+    // on a loaded machine could come too late to save it.
+    let referenced_id = driver::volume_id::volume_id(&format!("pvc-{ns}-referenced"));
     Api::<PersistentVolume>::all(client.clone())
         .create(
             &pp,
@@ -130,7 +129,7 @@ async fn deletes_orphans_keeps_the_rest() {
                     access_modes: Some(vec!["ReadWriteOnce".into()]),
                     csi: Some(CSIPersistentVolumeSource {
                         driver: DRIVER.into(),
-                        volume_handle: referenced.clone(),
+                        volume_handle: referenced_id.clone(),
                         ..Default::default()
                     }),
                     ..Default::default()
@@ -140,6 +139,11 @@ async fn deletes_orphans_keeps_the_rest() {
         )
         .await
         .expect("pv");
+    let gone = create(&mut csi, &ns, "gone").await;
+    let moved = create(&mut csi, &ns, "moved").await;
+    let pending = create(&mut csi, &ns, "pending").await;
+    let referenced = create(&mut csi, &ns, "referenced").await;
+    assert_eq!(referenced, referenced_id, "the PV names the volume's id");
 
     until("the orphans to be swept", WAIT, || async {
         let mut c = csi.clone();

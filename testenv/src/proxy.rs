@@ -2,19 +2,18 @@
 //! (every connection dropped, new ones refused) and restore: a network partition of one node.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Notify;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 /// A running proxy.
 #[derive(Debug)]
 pub struct TcpProxy {
     address: SocketAddr,
-    cut: Arc<AtomicBool>,
-    cut_now: Arc<Notify>,
+    // A watch, not a Notify: a connection task still connecting to the target when the cut
+    // comes must see it once it gets to wait, or it would forward through the partition.
+    cut: watch::Sender<bool>,
     shutdown: CancellationToken,
 }
 
@@ -23,9 +22,8 @@ impl TcpProxy {
     pub async fn start(target: SocketAddr, shutdown: CancellationToken) -> std::io::Result<Self> {
         let listener = TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
         let address = listener.local_addr()?;
-        let cut = Arc::new(AtomicBool::new(false));
-        let cut_now = Arc::new(Notify::new());
-        let (c, n, s) = (cut.clone(), cut_now.clone(), shutdown.clone());
+        let (cut, cut_seen) = watch::channel(false);
+        let s = shutdown.clone();
         tokio::spawn(async move {
             loop {
                 let accepted = tokio::select! {
@@ -35,19 +33,19 @@ impl TcpProxy {
                 let Ok((mut client, _)) = accepted else {
                     continue;
                 };
-                if c.load(Ordering::SeqCst) {
+                if *cut_seen.borrow() {
                     // Partitioned: refuse by closing at once.
                     drop(client);
                     continue;
                 }
-                let (n, s) = (n.clone(), s.clone());
+                let (mut cut_seen, s) = (cut_seen.clone(), s.clone());
                 tokio::spawn(async move {
                     let Ok(mut server) = TcpStream::connect(target).await else {
                         return;
                     };
                     tokio::select! {
                         _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
-                        _ = n.notified() => {}
+                        _ = cut_seen.wait_for(|cut| *cut) => {}
                         _ = s.cancelled() => {}
                     }
                 });
@@ -56,7 +54,6 @@ impl TcpProxy {
         Ok(Self {
             address,
             cut,
-            cut_now,
             shutdown,
         })
     }
@@ -68,13 +65,12 @@ impl TcpProxy {
 
     /// Partitions: drops every open connection and refuses new ones.
     pub fn cut(&self) {
-        self.cut.store(true, Ordering::SeqCst);
-        self.cut_now.notify_waiters();
+        self.cut.send_replace(true);
     }
 
     /// Heals the partition.
     pub fn restore(&self) {
-        self.cut.store(false, Ordering::SeqCst);
+        self.cut.send_replace(false);
     }
 }
 
