@@ -342,10 +342,7 @@ mod tests {
     }
 
     fn recorded(name: &str) -> String {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../testdata/ndctl")
-            .join(name);
-        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        crate::tool::recorded("ndctl", name)
     }
 
     #[test]

@@ -65,6 +65,17 @@ pub fn run(program: &str, args: &[&str]) -> Result<String, ToolError> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
+/// What `tool` printed in a recorded run, `testdata/<tool>/<name>`: the parsers and error
+/// classifiers are tested against real output of the real tools.
+#[cfg(test)]
+pub(crate) fn recorded(tool: &str, name: &str) -> String {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../testdata")
+        .join(tool)
+        .join(name);
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
