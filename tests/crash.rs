@@ -254,8 +254,8 @@ async fn survives_sigkill_at_random_moments_and_fault_points() {
                 (format!("pvc-crash-{next_name:05}"), true)
             }
             // mkfs only runs on an empty device: stage faults need a fresh volume. A delete
-            // fault drawn while no volume exists needs one too (the op was not drawn by the
-            // model's state, so it may be empty).
+            // fault drawn while no volume exists needs one too (a fault forces the op whatever
+            // the model holds).
             _ if fault && (op == Op::Stage || model.is_empty()) => {
                 next_name += 1;
                 let name = format!("pvc-crash-{next_name:05}");
