@@ -4,9 +4,9 @@
 use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Event, PersistentVolumeClaim};
+use k8s_openapi::api::core::v1::PersistentVolumeClaim;
 use kube::Api;
-use kube::api::{ListParams, PostParams};
+use kube::api::PostParams;
 use rustix::process::Signal;
 use testenv::objects;
 use testenv::wait::until;
@@ -108,17 +108,11 @@ async fn only_the_leader_acts_and_a_standby_takes_over() {
     rescheduled(&api, "first").await;
     // The rescheduler patches the claim first and writes its Event after: wait for the Event
     // (and so for the counter, which is bumped before it) before counting.
-    let events = Api::<Event>::namespaced(client.clone(), &ns);
     let count = until("the Rescheduled event", WAIT, || async {
-        let list = events
-            .list(&ListParams::default())
+        match objects::events(&client, &ns, "reason=Rescheduled")
             .await
-            .map_err(|e| e.to_string())?;
-        match list
-            .items
-            .iter()
-            .filter(|e| e.reason.as_deref() == Some("Rescheduled"))
-            .count()
+            .map_err(|e| e.to_string())?
+            .len()
         {
             0 => Err("no Rescheduled event yet".to_string()),
             n => Ok(n),

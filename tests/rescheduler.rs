@@ -6,10 +6,10 @@ use std::collections::BTreeMap;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Event, Node, PersistentVolumeClaim};
+use k8s_openapi::api::core::v1::{Node, PersistentVolumeClaim};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::Api;
-use kube::api::{DeleteParams, ListParams, ObjectMeta, PostParams};
+use kube::api::{DeleteParams, ObjectMeta, PostParams};
 use testenv::objects;
 use testenv::wait::until;
 use testenv::{NodeSpec, Supervised, TestEnv, TestEnvBuilder};
@@ -183,17 +183,12 @@ async fn unsets_selected_node_only_where_the_driver_definitely_does_not_run() {
             );
         }
     }
-    let events = Api::<Event>::namespaced(client.clone(), &ns);
     let rescheduled = until("Rescheduled events for both claims", WAIT, || async {
-        let list = events
-            .list(&ListParams::default())
+        let objects: Vec<String> = objects::events(&client, &ns, "reason=Rescheduled")
             .await
-            .map_err(|e| e.to_string())?;
-        let objects: Vec<String> = list
-            .items
-            .iter()
-            .filter(|e| e.reason.as_deref() == Some("Rescheduled"))
-            .filter_map(|e| e.involved_object.name.clone())
+            .map_err(|e| e.to_string())?
+            .into_iter()
+            .filter_map(|e| e.involved_object.name)
             .collect();
         if objects.contains(&"unset-driverless".to_string())
             && objects.contains(&"unset-node-deleted".to_string())

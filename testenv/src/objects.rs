@@ -231,19 +231,32 @@ where
     .await
 }
 
+/// The Events in `namespace` that match field selector `fields` (such as
+/// `reason=Rescheduled`).
+pub async fn events(
+    client: &kube::Client,
+    namespace: &str,
+    fields: &str,
+) -> Result<Vec<k8s_openapi::api::core::v1::Event>, kube::Error> {
+    let list = Api::namespaced(client.clone(), namespace)
+        .list(&kube::api::ListParams::default().fields(fields))
+        .await?;
+    Ok(list.items)
+}
+
 /// The messages of the `FailedScheduling` Events of pod `name`, newest last.
 pub async fn failed_scheduling(
     client: &kube::Client,
     namespace: &str,
     name: &str,
 ) -> Result<Vec<String>, kube::Error> {
-    use k8s_openapi::api::core::v1::Event;
-    let events = Api::<Event>::namespaced(client.clone(), namespace)
-        .list(&kube::api::ListParams::default().fields(&format!(
-            "involvedObject.name={name},reason=FailedScheduling"
-        )))
-        .await?;
-    Ok(events.items.into_iter().filter_map(|e| e.message).collect())
+    let events = events(
+        client,
+        namespace,
+        &format!("involvedObject.name={name},reason=FailedScheduling"),
+    )
+    .await?;
+    Ok(events.into_iter().filter_map(|e| e.message).collect())
 }
 
 /// The manifests' MutatingWebhookConfiguration as testenv can use it: its webhook (rules,

@@ -6,14 +6,13 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{
-    ConfigMap, Event, PersistentVolumeClaim, PersistentVolumeClaimSpec, Pod,
-    VolumeResourceRequirements,
+    ConfigMap, PersistentVolumeClaim, PersistentVolumeClaimSpec, Pod, VolumeResourceRequirements,
 };
 use k8s_openapi::api::storage::v1::{CSIDriver, CSIDriverSpec, CSIStorageCapacity, StorageClass};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, OwnerReference};
 use kube::Api;
-use kube::api::{DeleteParams, ListParams, ObjectMeta, PostParams};
+use kube::api::{DeleteParams, ObjectMeta, PostParams};
 use rustix::process::Signal;
 use testenv::wait::until;
 use testenv::{ProcessSpec, TestEnv, TestEnvBuilder};
@@ -163,15 +162,12 @@ async fn scheduler_explains_when_no_node_has_capacity() {
     let class = format!("{ns}.capacity.test");
     capacity_tracked_class(&client, &class).await;
     claim_and_pod(&client, &ns, &class, "1Gi").await;
-    let events = Api::<Event>::namespaced(client.clone(), &ns);
     let message = until("a FailedScheduling event", WAIT, || async {
-        let list = events
-            .list(&ListParams::default())
+        testenv::objects::events(&client, &ns, "reason=FailedScheduling")
             .await
-            .map_err(|e| e.to_string())?;
-        list.items
+            .map_err(|e| e.to_string())?
             .into_iter()
-            .find(|e| e.reason.as_deref() == Some("FailedScheduling"))
+            .next()
             .and_then(|e| e.message)
             .ok_or_else(|| "no FailedScheduling event yet".to_string())
     })
