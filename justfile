@@ -11,8 +11,13 @@ target_dir := env_var_or_default("CARGO_TARGET_DIR", justfile_directory() / "tar
 default:
     @just --list
 
+# Install what the recipes run and this machine lacks (Debian packages such as xfsprogs, and
+# just itself), saying what it installs; a no-op when nothing is missing (tools/ensure.sh).
+ensure:
+    bash tools/ensure.sh
+
 # Build the pinned Kubernetes tools and fetch the ops tools into the per-machine cache (no-op when present).
-tools:
+tools: ensure
     bash tools/build.sh
     bash tools/ops-tools.sh
 

@@ -131,6 +131,7 @@ async fn main() -> anyhow::Result<()> {
         // Validate and repair before anything listens: a node that cannot serve must not
         // look alive.
         let config = c.driver.validate()?;
+        driver::program::check(config.device_mode, &readiness);
         let serving = readiness.register("csi-server");
         let node = driver::NodeDriver::start(config, &mut registry)?;
         if !node.config().standalone {

@@ -106,3 +106,81 @@ async fn fake_controller() {
     )
     .await;
 }
+
+/// A node without xfsprogs: every spec that stages an xfs volume fails with a
+/// `FailedPrecondition` naming the program and its package (not "No such file or directory" on
+/// the loop device), `/readyz` names them too, and nothing is left behind.
+#[tokio::test]
+async fn emulated_without_mkfs_xfs() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let dirs = NodeDriverDirs::under(root.path());
+    // A PATH with every program emulated mode runs but mkfs.xfs.
+    let bin = root.path().join("bin");
+    std::fs::create_dir_all(&bin).expect("bin dir");
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    for name in ["blkid", "losetup", "mkfs.ext4"] {
+        let real = driver::program::find_in(name, &path)
+            .unwrap_or_else(|| panic!("{name} not on PATH; run `just ensure`"));
+        std::os::unix::fs::symlink(&real, bin.join(name)).expect("symlink");
+    }
+    let admin = std::net::SocketAddr::from((
+        [127, 0, 0, 1],
+        testenv::ports::free_port().expect("free port"),
+    ));
+    let mut args = node_driver::emulated_args("node-1", &dirs, "2Gi");
+    args.extend([
+        "--default-volume-size=320Mi".into(),
+        "--default-fs-type=xfs".into(),
+        format!("--admin-address={admin}"),
+    ]);
+    let group = testenv::ProcessGroup::new().expect("process group");
+    let bin_path = bin.display().to_string();
+    let driver = node_driver::start(
+        Path::new(env!("CARGO_BIN_EXE_pmem-csi")),
+        args,
+        &dirs,
+        &group,
+        &[("PATH", bin_path.as_str())],
+    )
+    .await
+    .expect("driver starts");
+
+    let ready = testenv::http_client::http(admin, "GET", "/readyz", b"")
+        .await
+        .expect("/readyz");
+    assert_eq!(ready.status, 503, "{}", ready.body);
+    assert!(
+        ready
+            .body
+            .contains("mkfs.xfs not installed (package xfsprogs)"),
+        "{}",
+        ready.body
+    );
+
+    let tools = testenv::Tools::locate().expect("tools");
+    let run = csi_sanity::run(
+        &tools,
+        root.path(),
+        &dirs.socket,
+        &[
+            format!("--csi.testvolumesize={}", 320 * MI),
+            "--ginkgo.focus=Node Service".into(),
+        ],
+    );
+    driver.stop().await;
+    println!(
+        "without mkfs.xfs: csi-sanity ran {} specs, {} failed",
+        run.ran, run.failed
+    );
+    assert!(
+        run.failed > 0 && run.failed != usize::MAX,
+        "staging must fail:\n{}",
+        run.output
+    );
+    let want = "code = FailedPrecondition desc = mkfs.xfs on /dev/loop";
+    assert!(run.output.contains(want), "no {want:?} in:\n{}", run.output);
+    let want = "program mkfs.xfs is not installed (package xfsprogs)";
+    assert!(run.output.contains(want), "no {want:?} in:\n{}", run.output);
+    let leftovers = testenv::Leftovers::new(i32::MAX, root.path().to_path_buf()).find();
+    assert!(leftovers.is_empty(), "left behind {leftovers:?}");
+}

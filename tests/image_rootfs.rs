@@ -70,9 +70,50 @@ fn the_image_tree_runs_our_binary_and_the_file_system_tools() {
             out.status
         );
     }
+    // Every program any device mode runs is on the image's PATH (the Dockerfile's ENV PATH):
+    // the node's start-up check would otherwise keep the pod unready.
+    for program in driver::program::ALL {
+        assert!(
+            in_image_path(&rootfs, program.name),
+            "{} ({}) not on the image's PATH",
+            program.name,
+            program.package
+        );
+    }
     // No library is borrowed from the host: the tree alone resolves them (chroot proved it for
     // the commands above); the Dockerfile ships that tree, checked through the OCI archive below.
     the_oci_archive_holds_the_tree_and_runs_our_binary(dir.path(), &files);
+}
+
+/// Whether `name` is an executable file in one of the image's PATH directories, its symbolic
+/// links resolved inside `rootfs` (an absolute link must not be followed onto the host).
+fn in_image_path(rootfs: &Path, name: &str) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    [
+        "/usr/local/sbin",
+        "/usr/local/bin",
+        "/usr/sbin",
+        "/usr/bin",
+        "/sbin",
+        "/bin",
+    ]
+    .iter()
+    .any(|dir| {
+        let mut path = rootfs.join(dir.trim_start_matches('/')).join(name);
+        for _ in 0..8 {
+            match std::fs::read_link(&path) {
+                Ok(target) if target.is_absolute() => {
+                    path = rootfs.join(target.strip_prefix("/").expect("absolute"));
+                }
+                Ok(target) => {
+                    path = path.parent().expect("parent").join(target);
+                }
+                Err(_) => break,
+            }
+        }
+        std::fs::symlink_metadata(&path)
+            .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    })
 }
 
 /// Builds the OCI archive from `context` (holding `rootfs/`) and checks it against `files`.

@@ -139,6 +139,16 @@ pub enum BackendError {
         /// The mode.
         mode: &'static str,
     },
+    /// A program the backend runs is not installed.
+    #[error("{op} {what}: {source}")]
+    Missing {
+        /// What was being done.
+        op: &'static str,
+        /// On what.
+        what: String,
+        /// The program and its package.
+        source: crate::program::MissingProgram,
+    },
     /// A system call or tool failed.
     #[error("{op} {what}: {reason}")]
     Io {
@@ -152,6 +162,19 @@ pub enum BackendError {
 }
 
 impl BackendError {
+    /// A failed tool run: a missing program stays recognisable (`FailedPrecondition`), any
+    /// other failure is I/O.
+    pub fn tool(op: &'static str, what: impl std::fmt::Display, e: crate::tool::ToolError) -> Self {
+        match e {
+            crate::tool::ToolError::Missing(source) => BackendError::Missing {
+                op,
+                what: what.to_string(),
+                source,
+            },
+            e => BackendError::io(op, what, e),
+        }
+    }
+
     /// An I/O failure.
     pub fn io(
         op: &'static str,

@@ -65,7 +65,7 @@ fn ndctl_err(
     op: &'static str,
     what: impl std::fmt::Display,
 ) -> impl FnOnce(ndctl::NdctlError) -> BackendError {
-    move |e| BackendError::io(op, what, e)
+    move |e| e.into_backend(op, what)
 }
 
 impl Direct {

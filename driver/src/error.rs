@@ -142,9 +142,12 @@ impl VolumeError {
             VolumeError::OutOfRange(_) => Code::OutOfRange,
             VolumeError::NoSpace { .. } => Code::ResourceExhausted,
             VolumeError::Precondition(_) => Code::FailedPrecondition,
-            VolumeError::Backend(BackendError::InUse { .. } | BackendError::NoDevices { .. }) => {
-                Code::FailedPrecondition
-            }
+            VolumeError::Backend(
+                BackendError::InUse { .. }
+                | BackendError::NoDevices { .. }
+                | BackendError::Missing { .. },
+            )
+            | VolumeError::Fs(FsError::Missing { .. }) => Code::FailedPrecondition,
             VolumeError::Backend(_)
             | VolumeError::State(_)
             | VolumeError::Fs(_)
@@ -169,6 +172,7 @@ impl From<ParameterError> for Status {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::program::MissingProgram;
 
     #[test]
     fn code_table() {
@@ -193,6 +197,39 @@ mod tests {
             (
                 VolumeError::backend("v", BackendError::io("a", "b", "c")),
                 Code::Internal,
+            ),
+            (
+                VolumeError::Fs(FsError::Missing {
+                    tool: "mkfs.xfs",
+                    device: "/dev/loop0".into(),
+                    source: MissingProgram {
+                        program: "mkfs.xfs".into(),
+                        package: "xfsprogs".into(),
+                    },
+                }),
+                Code::FailedPrecondition,
+            ),
+            (
+                VolumeError::Fs(FsError::Failed {
+                    tool: "mkfs.xfs",
+                    device: "/dev/loop0".into(),
+                    reason: "bad superblock".into(),
+                }),
+                Code::Internal,
+            ),
+            (
+                VolumeError::backend(
+                    "v",
+                    BackendError::Missing {
+                        op: "creating",
+                        what: "logical volume v".into(),
+                        source: MissingProgram {
+                            program: "lvcreate".into(),
+                            package: "lvm2".into(),
+                        },
+                    },
+                ),
+                Code::FailedPrecondition,
             ),
             (
                 VolumeError::FsMismatch {

@@ -4,6 +4,8 @@
 use std::path::Path;
 use std::process::Command;
 
+use crate::program::MissingProgram;
+
 /// File systems the driver makes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum FsType {
@@ -34,19 +36,51 @@ impl FsType {
 
 /// A file-system tool failed.
 #[derive(Debug, thiserror::Error)]
-#[error("{tool} on {device}: {reason}")]
-pub struct FsError {
-    /// The tool.
-    pub tool: &'static str,
-    /// The device.
-    pub device: String,
-    /// Why.
-    pub reason: String,
+pub enum FsError {
+    /// The tool is not installed: its package is named, and the call is refused with
+    /// `FailedPrecondition` (the device was not the problem).
+    #[error("{tool} on {device}: {source}")]
+    Missing {
+        /// The tool.
+        tool: &'static str,
+        /// The device.
+        device: String,
+        /// The program and its package.
+        source: MissingProgram,
+    },
+    /// The tool ran and failed, or could not be started for another reason.
+    #[error("{tool} on {device}: {reason}")]
+    Failed {
+        /// The tool.
+        tool: &'static str,
+        /// The device.
+        device: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+impl FsError {
+    fn spawn(tool: &'static str, device: &Path, e: std::io::Error) -> Self {
+        let device = device.display().to_string();
+        match MissingProgram::from_spawn(tool, &e) {
+            Some(source) => FsError::Missing {
+                tool,
+                device,
+                source,
+            },
+            None => FsError::Failed {
+                tool,
+                device,
+                reason: e.to_string(),
+            },
+        }
+    }
 }
 
 /// The file-system (or other) signature on `device`, `None` when it is empty.
 pub fn detect(device: &Path) -> Result<Option<String>, FsError> {
-    let err = |reason: String| FsError {
+    let err = |reason: String| FsError::Failed {
         tool: "blkid",
         device: device.display().to_string(),
         reason,
@@ -56,7 +90,7 @@ pub fn detect(device: &Path) -> Result<Option<String>, FsError> {
         .args(["-p", "-o", "value", "-s", "TYPE"])
         .arg(device)
         .output()
-        .map_err(|e| err(e.to_string()))?;
+        .map_err(|e| FsError::spawn("blkid", device, e))?;
     match out.status.code() {
         Some(0) => {
             let kind = String::from_utf8_lossy(&out.stdout).trim().to_string();
@@ -100,13 +134,12 @@ pub fn make(device: &Path, fs: FsType) -> Result<(), FsError> {
         FsType::Ext4 => "mkfs.ext4",
         FsType::Xfs => "mkfs.xfs",
     };
-    let out = command.arg(device).output().map_err(|e| FsError {
-        tool,
-        device: device.display().to_string(),
-        reason: e.to_string(),
-    })?;
+    let out = command
+        .arg(device)
+        .output()
+        .map_err(|e| FsError::spawn(tool, device, e))?;
     if !out.status.success() {
-        return Err(FsError {
+        return Err(FsError::Failed {
             tool,
             device: device.display().to_string(),
             reason: String::from_utf8_lossy(&out.stderr).trim().to_string(),

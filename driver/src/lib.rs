@@ -22,6 +22,7 @@ pub mod mounts;
 pub mod ndctl;
 pub mod node;
 pub mod parameters;
+pub mod program;
 
 pub mod server;
 pub mod state;

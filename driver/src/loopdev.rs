@@ -35,13 +35,24 @@ pub fn find(file: &Path) -> Option<PathBuf> {
         .map(|(device, _)| device)
 }
 
+fn spawn_error(op: &'static str, what: &Path) -> impl FnOnce(std::io::Error) -> BackendError {
+    move |e| match crate::program::MissingProgram::from_spawn("losetup", &e) {
+        Some(source) => BackendError::Missing {
+            op,
+            what: what.display().to_string(),
+            source,
+        },
+        None => BackendError::io(op, what.display(), e),
+    }
+}
+
 /// Attaches `file` to a free loop device and returns it.
 pub fn attach(file: &Path) -> Result<PathBuf, BackendError> {
     let out = Command::new("losetup")
         .args(["--find", "--show"])
         .arg(file)
         .output()
-        .map_err(|e| BackendError::io("running losetup for", file.display(), e))?;
+        .map_err(spawn_error("running losetup for", file))?;
     if !out.status.success() {
         return Err(BackendError::io(
             "attaching a loop device to",
@@ -58,7 +69,7 @@ pub fn detach(device: &Path) -> Result<(), BackendError> {
         .arg("--detach")
         .arg(device)
         .output()
-        .map_err(|e| BackendError::io("running losetup for", device.display(), e))?;
+        .map_err(spawn_error("running losetup for", device))?;
     if !out.status.success() {
         return Err(BackendError::io(
             "detaching",

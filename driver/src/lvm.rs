@@ -187,11 +187,11 @@ fn tool_err(
     op: &'static str,
     what: impl std::fmt::Display,
 ) -> impl FnOnce(ToolError) -> BackendError {
-    move |e| BackendError::io(op, what, e)
+    move |e| BackendError::tool(op, what, e)
 }
 
 fn ndctl_err(e: ndctl::NdctlError) -> BackendError {
-    BackendError::io("reading PMEM regions", "ndctl", e)
+    e.into_backend("reading PMEM regions", "ndctl")
 }
 
 impl Lvm {
@@ -255,7 +255,7 @@ impl Lvm {
                 budget,
                 PMEM_CSI_NAMESPACE,
             )
-            .map_err(|e| BackendError::io("creating a pmem-csi namespace in", &region.dev, e))?;
+            .map_err(|e| e.into_backend("creating a pmem-csi namespace in", &region.dev))?;
             let device = ns.device().ok_or_else(|| {
                 BackendError::io(
                     "creating a pmem-csi namespace in",
@@ -319,7 +319,7 @@ impl Lvm {
                     .cloned()
                     .collect();
                 if known.len() == names.len() {
-                    return Err(BackendError::io(
+                    return Err(BackendError::tool(
                         "listing volume groups",
                         names.join(" "),
                         e,
@@ -327,7 +327,7 @@ impl Lvm {
                 }
                 Self::groups(&known)
             }
-            Err(e) => Err(BackendError::io(
+            Err(e) => Err(BackendError::tool(
                 "listing volume groups",
                 names.join(" "),
                 e,
@@ -413,7 +413,7 @@ impl Backend for Lvm {
                 });
             }
             Err(e) => {
-                return Err(BackendError::io(
+                return Err(BackendError::tool(
                     "creating",
                     format!("logical volume {id} in {}", vg.name),
                     e,
@@ -437,7 +437,7 @@ impl Backend for Lvm {
         match tool::run("lvremove", &["-fy", &target]) {
             Ok(_) => Ok(()),
             Err(e) if is_missing(e.stderr()) => Ok(()),
-            Err(e) => Err(BackendError::io(
+            Err(e) => Err(BackendError::tool(
                 "removing",
                 format!("logical volume {target}"),
                 e,

@@ -33,6 +33,20 @@ pub enum NdctlError {
     },
 }
 
+impl NdctlError {
+    /// As a backend error: ndctl not installed stays recognisable, the rest is I/O.
+    pub fn into_backend(
+        self,
+        op: &'static str,
+        what: impl std::fmt::Display,
+    ) -> crate::backend::BackendError {
+        match self {
+            NdctlError::Tool(e) => crate::backend::BackendError::tool(op, what, e),
+            e => crate::backend::BackendError::io(op, what, e),
+        }
+    }
+}
+
 fn output_error(what: impl Into<String>, output: &str) -> NdctlError {
     NdctlError::Output {
         what: what.into(),

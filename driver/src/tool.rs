@@ -3,9 +3,14 @@
 
 use std::process::Command;
 
+use crate::program::MissingProgram;
+
 /// A tool run that failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ToolError {
+    /// The program is not installed.
+    #[error(transparent)]
+    Missing(MissingProgram),
     /// The program could not be started.
     #[error("running {command}: {source}")]
     Spawn {
@@ -30,7 +35,7 @@ impl ToolError {
     /// What the tool printed on stderr; empty when it did not run.
     pub fn stderr(&self) -> &str {
         match self {
-            ToolError::Spawn { .. } => "",
+            ToolError::Missing(_) | ToolError::Spawn { .. } => "",
             ToolError::Failed { stderr, .. } => stderr,
         }
     }
@@ -51,10 +56,15 @@ pub fn run(program: &str, args: &[&str]) -> Result<String, ToolError> {
         .env("DM_DISABLE_UDEV", "1")
         .env("LC_ALL", "C")
         .output()
-        .map_err(|source| ToolError::Spawn {
-            command: command(),
-            source,
-        })?;
+        .map_err(
+            |source| match MissingProgram::from_spawn(program, &source) {
+                Some(missing) => ToolError::Missing(missing),
+                None => ToolError::Spawn {
+                    command: command(),
+                    source,
+                },
+            },
+        )?;
     if !out.status.success() {
         return Err(ToolError::Failed {
             command: command(),
@@ -92,8 +102,10 @@ mod tests {
         assert_eq!(run("sh", &["-c", "echo fine"]).expect("runs"), "fine\n");
         let err = run("/nonexistent/tool", &[]).expect_err("missing");
         assert!(
-            err.to_string().starts_with("running /nonexistent/tool"),
+            matches!(&err, ToolError::Missing(m) if m.program == "tool"),
             "{err}"
         );
+        let err = run("/dev/null", &[]).expect_err("not executable");
+        assert!(err.to_string().starts_with("running /dev/null"), "{err}");
     }
 }

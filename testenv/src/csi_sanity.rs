@@ -51,10 +51,18 @@ pub fn run(tools: &Tools, root: &Path, socket: &Path, extra: &[String]) -> Sanit
         String::from_utf8_lossy(&output.stdout),
         String::from_utf8_lossy(&output.stderr)
     );
+    // The counts come from ginkgo's summary line: a failure's report earlier in the output may
+    // also say "Failed".
+    let summary = text
+        .lines()
+        .rev()
+        .find(|l| l.starts_with("SUCCESS!") || l.starts_with("FAIL!"))
+        .unwrap_or("")
+        .to_string();
     let run = SanityRun {
         ran: number_after(&text, "Ran ").unwrap_or(0),
-        passed: number_before(&text, " Passed").unwrap_or(0),
-        failed: number_before(&text, " Failed").unwrap_or(usize::MAX),
+        passed: number_before(&summary, " Passed").unwrap_or(0),
+        failed: number_before(&summary, " Failed").unwrap_or(usize::MAX),
         output: text,
     };
     assert_eq!(

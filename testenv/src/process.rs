@@ -36,6 +36,16 @@ pub enum ProcessError {
         /// Why.
         source: std::io::Error,
     },
+    /// The program (or the wrapper testenv starts it with) is not installed.
+    #[error("starting {name}: program {program} not found; {hint}")]
+    MissingProgram {
+        /// Component name.
+        name: String,
+        /// The program that was not found.
+        program: PathBuf,
+        /// What installs it.
+        hint: &'static str,
+    },
     /// The log file could not be created.
     #[error("creating log file {path}: {source}")]
     Log {
@@ -249,16 +259,43 @@ impl ProcessSpec {
             .process_group(group)
             .kill_on_drop(true)
             .spawn()
-            .map_err(|source| ProcessError::Spawn {
-                name: self.name.clone(),
-                program: self.program.clone(),
-                source,
-            })
+            .map_err(|source| ProcessError::spawn(&self.name, Path::new(program), source))
     }
 
     /// The last `lines` lines of the log, for error messages.
     pub fn log_tail(&self, lines: usize) -> String {
         tail(&self.log, lines)
+    }
+}
+
+impl ProcessError {
+    /// Starting `program` for component `name` failed: a program that is not there is named
+    /// with what installs it (the wrapper `chrt` or `unshare`, not the component, may be missing).
+    pub fn spawn(name: &str, program: &Path, source: std::io::Error) -> Self {
+        if source.kind() != std::io::ErrorKind::NotFound {
+            return ProcessError::Spawn {
+                name: name.to_string(),
+                program: program.to_path_buf(),
+                source,
+            };
+        }
+        ProcessError::MissingProgram {
+            name: name.to_string(),
+            program: program.to_path_buf(),
+            hint: missing_hint(program),
+        }
+    }
+}
+
+/// What installs `program` when it is not found.
+fn missing_hint(program: &Path) -> &'static str {
+    match program.file_name().and_then(|n| n.to_str()) {
+        Some("chrt" | "unshare" | "losetup" | "nsenter") => {
+            "it is in package util-linux, which `just ensure` installs"
+        }
+        Some("sh") => "it is in package dash, which `just ensure` installs",
+        Some("pmem-csi") => "build it with `cargo build` (or set PMEM_CSI_BIN)",
+        _ => "build the pinned tools with `just tools`, which also installs missing packages",
     }
 }
 
@@ -510,6 +547,34 @@ mod tests {
         assert_eq!(tail(&path, 2), "c\nd");
         assert_eq!(tail(&path, 10), "a\nb\nc\nd");
         assert!(tail(&dir.path().join("missing"), 2).starts_with("(no log at"));
+    }
+
+    #[test]
+    fn a_missing_program_is_named_with_what_installs_it() {
+        let not_found = || std::io::Error::from(std::io::ErrorKind::NotFound);
+        for (program, want) in [
+            (
+                "chrt",
+                "starting etcd: program chrt not found; it is in package util-linux, which `just ensure` installs",
+            ),
+            (
+                "/cache/bin/etcd",
+                "starting etcd: program /cache/bin/etcd not found; build the pinned tools with `just tools`, which also installs missing packages",
+            ),
+            (
+                "/target/debug/pmem-csi",
+                "starting etcd: program /target/debug/pmem-csi not found; build it with `cargo build` (or set PMEM_CSI_BIN)",
+            ),
+        ] {
+            let e = ProcessError::spawn("etcd", Path::new(program), not_found());
+            assert_eq!(e.to_string(), want);
+        }
+        let denied = ProcessError::spawn(
+            "etcd",
+            Path::new("/bin/etcd"),
+            std::io::Error::from(std::io::ErrorKind::PermissionDenied),
+        );
+        assert!(matches!(denied, ProcessError::Spawn { .. }), "{denied}");
     }
 
     #[tokio::test]
