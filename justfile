@@ -21,6 +21,12 @@ tools: ensure
     bash tools/build.sh
     bash tools/ops-tools.sh
 
+# What real nodes need beside the control plane (not yet used by `just test`): kubelet, containerd
+# with its shim and ctr, runc, the CNI plugins of a bridge network, and the pause and busybox
+# images as OCI archives (tools/node-tools.sh; no-op when present).
+node-tools: ensure
+    bash tools/node-tools.sh
+
 # Rebuild the tools from empty Go caches and print per-tool times.
 tools-cold:
     bash tools/build.sh --cold

@@ -24,6 +24,8 @@ fn shell_scripts_pass_shellcheck() {
         .filter(|p| p.extension().is_some_and(|e| e == "sh"))
         .collect();
     scripts.push(repo().join(".ci/run"));
+    // The quick start's bootstrap at the repository root.
+    scripts.push(repo().join("just"));
     scripts.sort();
     assert!(scripts.len() >= 4, "{scripts:?}");
     let out = Command::new(&shellcheck)

@@ -3,9 +3,11 @@
 # per-machine cache outside the repository. Each tool is rebuilt only when its pin changes; a lock
 # makes concurrent builders (two test binaries, CI and a developer) wait for each other.
 #
-# usage: tools/build.sh [--cold] [--print-dir]
-#   --cold       empty the tool, module and build caches first and print per-tool times
-#   --print-dir  print the directory holding the binaries and exit
+# usage: tools/build.sh [--cold] [--with-kubelet] [--print-dir]
+#   --cold          empty the tool, module and build caches first and print per-tool times
+#   --with-kubelet  also build kubelet (for real nodes, tools/node-tools.sh), from the same module
+#                   as kube-apiserver so that it reuses the packages compiled for the control plane
+#   --print-dir     print the directory holding the binaries and exit
 set -euo pipefail
 
 K8S_VERSION=v1.37.2
@@ -26,19 +28,20 @@ pin="k8s-$K8S_VERSION.etcd-$ETCD_VERSION.prov-$PROVISIONER_VERSION.sanity-$CSI_T
 dir=$cache_root/$pin
 bin=$dir/bin
 
-if [[ ${1:-} == --print-dir ]]; then
-  echo "$bin"
-  exit 0
-fi
+cold=false
+with_kubelet=false
+for arg in "$@"; do
+  case $arg in
+    --print-dir) echo "$bin"; exit 0 ;;
+    --cold) cold=true ;;
+    --with-kubelet) with_kubelet=true ;;
+    *) echo "usage: tools/build.sh [--cold] [--with-kubelet] [--print-dir]" >&2; exit 2 ;;
+  esac
+done
 
 if ! command -v go >/dev/null 2>&1; then
   echo "error: 'go' not found. Install Go >= 1.26 with access to a Go module proxy (Debian's golang-1.19 is too old)." >&2
   exit 1
-fi
-
-cold=false
-if [[ ${1:-} == --cold ]]; then
-  cold=true
 fi
 
 mkdir -p "$cache_root"
@@ -54,12 +57,6 @@ fi
 
 mkdir -p "$bin"
 export CGO_ENABLED=0 GOFLAGS=-mod=mod GOTOOLCHAIN=local
-timed() {
-  local name=$1; shift
-  local start=$SECONDS
-  "$@"
-  echo "time: $name $((SECONDS - start))s" >&2
-}
 
 # Writes replace lines for every staging module k8s.io/kubernetes@$1 resolves from ./staging/src.
 staging_replaces() {
@@ -69,18 +66,10 @@ staging_replaces() {
     while read -r m; do go mod edit -replace="$m=$m@$staging"; done
 }
 
-# Prepares the build module in the cache from the committed tools/<name>/go.{mod,sum} when they
-# require <pinned module> <pinned version>; otherwise the caller creates it afresh (the staging
-# replaces then come from k8s.io/kubernetes' own go.mod) and the new files are worth committing.
-module_dir() {
-  local name=$1 pinned=$2 m=$dir/mod-$1
-  mkdir -p "$m"
-  if [[ -f $here/$name/go.mod ]] && grep -qF "$pinned" "$here/$name/go.mod"; then
-    cp "$here/$name/go.mod" "$m/go.mod"
-    [[ -f $here/$name/go.sum ]] && cp "$here/$name/go.sum" "$m/go.sum"
-  fi
-  echo "$m"
-}
+# The build module of one tool (the staging replaces of k8s.io/kubernetes' come from its own go.mod
+# when the module is made afresh).
+# shellcheck source=tools/go-module.sh
+source "$here/go-module.sh"
 
 k8s_ldflags() {
   local v=$1 minor
@@ -100,11 +89,12 @@ build_kubernetes() {
       go mod init pmem-csi-tools.invalid/kubernetes >/dev/null 2>&1
       staging_replaces "$K8S_VERSION" "$STAGING_VERSION"
     fi
-    local cmds=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
     local pkgs=()
-    for c in "${cmds[@]}"; do pkgs+=("k8s.io/kubernetes/cmd/$c@$K8S_VERSION"); done
+    for c in "${k8s_cmds[@]}"; do pkgs+=("k8s.io/kubernetes/cmd/$c@$K8S_VERSION"); done
     go get "${pkgs[@]}"
-    for c in "${cmds[@]}"; do
+    # Only what is missing: kubelet is often added to a cache that already has the control plane.
+    for c in "${k8s_cmds[@]}"; do
+      [[ -x $bin/$c ]] && continue
       timed "$c" go build -p 2 -trimpath -ldflags "$(k8s_ldflags "$K8S_VERSION")" -o "$bin/$c.tmp" "k8s.io/kubernetes/cmd/$c"
       mv "$bin/$c.tmp" "$bin/$c"
     done
@@ -149,7 +139,9 @@ build_sanity() {
   )
 }
 
-want=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl csi-provisioner csi-sanity)
+k8s_cmds=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
+if $with_kubelet; then k8s_cmds+=(kubelet); fi
+want=(etcd "${k8s_cmds[@]}" csi-provisioner csi-sanity)
 missing=()
 for t in "${want[@]}"; do [[ -x $bin/$t ]] || missing+=("$t"); done
 if [[ ${#missing[@]} -eq 0 ]]; then
@@ -159,8 +151,12 @@ fi
 
 total_start=$SECONDS
 [[ -x $bin/etcd ]] || timed "etcd (download + build)" build_etcd
-[[ -x $bin/kube-apiserver && -x $bin/kube-controller-manager && -x $bin/kube-scheduler && -x $bin/kubectl ]] ||
-  timed "kubernetes (download + build)" build_kubernetes
+for c in "${k8s_cmds[@]}"; do
+  if ! [[ -x $bin/$c ]]; then
+    timed "kubernetes (download + build)" build_kubernetes
+    break
+  fi
+done
 [[ -x $bin/csi-provisioner ]] || timed "csi-provisioner (download + build)" build_provisioner
 [[ -x $bin/csi-sanity ]] || timed "csi-sanity (download + build)" build_sanity
 echo "tools built into $bin in $((SECONDS - total_start))s" >&2

@@ -22,6 +22,7 @@ pub mod pki;
 pub mod ports;
 pub mod process;
 pub mod proxy;
+pub mod registrar;
 pub mod scheduler_config;
 pub mod service_accounts;
 pub mod tools;
