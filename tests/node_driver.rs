@@ -7,7 +7,7 @@ use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use driver::csi::*;
-use testenv::csi_client::{Harness, block, mount, params};
+use testenv::csi_client::{Harness, block, mount, mount_with, params};
 use tonic::Code;
 
 const MI: i64 = 1 << 20;
@@ -197,6 +197,80 @@ async fn read_only_publish_refuses_writes() {
     h.unpublish(&id, &target).await;
     h.unstage(&id).await;
     h.delete(&id).await;
+    h.finish().await;
+}
+
+/// StorageClass `mountOptions` such as `noatime` are mount flags, not file-system data (ext4
+/// refused "noatime" as data, so such a class could never be staged); a publish, read-only or
+/// not, keeps `nosuid` and `nodev`.
+#[tokio::test]
+async fn mount_options_are_flags_and_publish_keeps_nosuid_nodev() {
+    let mut h = Harness::emulated(bin(), &[], |_| {}).await;
+    let id = h.create("options", 16 * MI, &[]).await.volume_id;
+    let capability = mount_with("ext4", &["noatime", "discard"]);
+    h.stage(&id, capability.clone()).await.expect("stage");
+    let staged = mount_of(&h.path("staging")).expect("staged");
+    for want in ["noatime", "nosuid", "nodev"] {
+        assert!(
+            staged.options.iter().any(|o| o == want),
+            "{want}: {staged:?}"
+        );
+    }
+    assert!(
+        staged.super_options.iter().any(|o| o == "discard"),
+        "{staged:?}"
+    );
+    for (name, read_only, want) in [
+        (
+            "rw-target",
+            false,
+            &["rw", "noatime", "nosuid", "nodev"][..],
+        ),
+        ("ro-target", true, &["ro", "noatime", "nosuid", "nodev"][..]),
+    ] {
+        let target = h.path(name);
+        h.publish(&id, &target, capability.clone(), read_only, &[])
+            .await
+            .expect(name);
+        let published = mount_of(&target).expect(name);
+        for option in want {
+            assert!(
+                published.options.iter().any(|o| o == option),
+                "{name}: {option} missing in {:?}",
+                published.options
+            );
+        }
+        h.unpublish(&id, &target).await;
+    }
+    h.unstage(&id).await;
+
+    // Options that would lift nosuid/nodev are refused by name, before anything is mounted,
+    // and CreateVolume refuses them too (a class whose options no stage could mount).
+    let err = h
+        .stage(&id, mount_with("ext4", &["noatime", "suid"]))
+        .await
+        .expect_err("suid");
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(
+        err.message()
+            .contains("volume_capability.mount.mount_flags: \"suid\" is not allowed"),
+        "{}",
+        err.message()
+    );
+    assert!(mount_of(&h.path("staging")).is_none());
+    let err = h
+        .controller
+        .create_volume(CreateVolumeRequest {
+            name: "bad-options".into(),
+            volume_capabilities: vec![mount_with("ext4", &["dev"])],
+            ..Default::default()
+        })
+        .await
+        .expect_err("dev");
+    assert_eq!(err.code(), Code::InvalidArgument, "{}", err.message());
+    assert!(err.message().contains("mount_flags"), "{}", err.message());
+    h.delete(&id).await;
+    assert_eq!(h.volume_ids().await, Vec::<String>::new());
     h.finish().await;
 }
 

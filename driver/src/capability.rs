@@ -63,6 +63,8 @@ pub fn access(capability: &VolumeCapability) -> Result<Access, VolumeError> {
                     })?,
                 )
             };
+            // Checked here so that CreateVolume already refuses options no stage could mount.
+            crate::mount_options::MountOptions::parse(&m.mount_flags)?;
             Ok(Access::Mount {
                 fs,
                 flags: m.mount_flags.clone(),

@@ -24,6 +24,9 @@ pub enum VolumeError {
     /// A parameter or context key or value.
     #[error(transparent)]
     Parameter(#[from] ParameterError),
+    /// A mount option the driver does not accept.
+    #[error(transparent)]
+    MountOption(#[from] crate::mount_options::MountOptionError),
     /// No volume with this ID on this node.
     #[error("volume {id} does not exist on this node")]
     Unknown {
@@ -132,9 +135,10 @@ impl VolumeError {
     /// The gRPC code of this error.
     pub fn code(&self) -> Code {
         match self {
-            VolumeError::Missing(_) | VolumeError::Invalid { .. } | VolumeError::Parameter(_) => {
-                Code::InvalidArgument
-            }
+            VolumeError::Missing(_)
+            | VolumeError::Invalid { .. }
+            | VolumeError::Parameter(_)
+            | VolumeError::MountOption(_) => Code::InvalidArgument,
             VolumeError::Unknown { .. } | VolumeError::NotMounted { .. } => Code::NotFound,
             VolumeError::Mismatch { .. }
             | VolumeError::FsMismatch { .. }

@@ -18,6 +18,7 @@ pub mod identity;
 pub mod loopdev;
 pub mod lvm;
 pub mod metrics;
+pub mod mount_options;
 pub mod mounts;
 pub mod ndctl;
 pub mod node;

@@ -4,6 +4,8 @@ use std::path::{Path, PathBuf};
 
 use rustix::mount::{MountFlags, UnmountFlags};
 
+use crate::mount_options::MountOptions;
+
 /// One line of mountinfo.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MountInfo {
@@ -103,33 +105,54 @@ pub fn at(path: &Path) -> std::io::Result<Option<MountInfo>> {
     Ok(table()?.into_iter().rev().find(|m| m.mount_point == path))
 }
 
-/// Mounts file system `fs_type` on `device` at `target`.
+/// Mounts file system `fs_type` on `device` at `target` with `options` (`nosuid` and `nodev`
+/// among their flags), read-only if asked, `extra` appended to the file system's data.
 pub fn mount_device(
     device: &Path,
     target: &Path,
     fs_type: &str,
     read_only: bool,
-    options: &str,
+    options: &MountOptions,
+    extra: &[&str],
 ) -> std::io::Result<()> {
-    let mut flags = MountFlags::NOSUID | MountFlags::NODEV;
+    let mut flags = options.flags;
     if read_only {
         flags |= MountFlags::RDONLY;
     }
-    let data = std::ffi::CString::new(options).map_err(std::io::Error::other)?;
+    let data = std::ffi::CString::new(options.data_with(extra)).map_err(std::io::Error::other)?;
     rustix::mount::mount(device, target, fs_type, flags, data.as_c_str()).map_err(Into::into)
 }
 
 /// Bind-mounts `source` on `target`, read-only if asked (a second, remounting step: the kernel
-/// ignores `MS_RDONLY` on the initial bind).
+/// ignores `MS_RDONLY` on the initial bind). For device nodes and /sys: no `nodev` here, which
+/// would make a raw block volume's node unusable.
 pub fn bind(source: &Path, target: &Path, read_only: bool) -> std::io::Result<()> {
     rustix::mount::mount_bind(source, target)?;
     if read_only {
-        let result =
-            rustix::mount::mount_remount(target, MountFlags::BIND | MountFlags::RDONLY, c"");
-        if let Err(e) = result {
-            let _ = rustix::mount::unmount(target, UnmountFlags::empty());
-            return Err(e.into());
-        }
+        remount_bind(target, MountFlags::RDONLY)?;
+    }
+    Ok(())
+}
+
+/// Bind-mounts the staged file system `source` on `target` with the per-mount flags of
+/// `options` (and read-only if asked): the kernel ignores flags on the initial bind, and a
+/// remount sets exactly the flags it is given, so `nosuid` and `nodev` are always restated
+/// (a plain read-only remount would drop them).
+pub fn bind_file_system(
+    source: &Path,
+    target: &Path,
+    read_only: bool,
+    options: &MountOptions,
+) -> std::io::Result<()> {
+    rustix::mount::mount_bind(source, target)?;
+    remount_bind(target, options.bind_flags(read_only))
+}
+
+fn remount_bind(target: &Path, flags: MountFlags) -> std::io::Result<()> {
+    let result = rustix::mount::mount_remount(target, MountFlags::BIND | flags, c"");
+    if let Err(e) = result {
+        let _ = rustix::mount::unmount(target, UnmountFlags::empty());
+        return Err(e.into());
     }
     Ok(())
 }

@@ -14,6 +14,7 @@ use crate::csi::node_service_capability::{self, rpc};
 use crate::csi::*;
 use crate::error::VolumeError;
 use crate::filesystem::{self, FsType};
+use crate::mount_options::MountOptions;
 use crate::mounts::{self, MountInfo};
 use crate::parameters::{self, Origin, Parameters, Persistency, Usage};
 use crate::volume_id::volume_id;
@@ -45,14 +46,14 @@ fn mount_at(path: &Path) -> Result<Option<MountInfo>, VolumeError> {
     mounts::at(path).map_err(VolumeError::io("reading mountinfo for", path.display()))
 }
 
-/// Mount options for a file system: the capability's flags, plus `dax` where the device
-/// supports it and the volume is meant for AppDirect (loop devices never support it).
-fn fs_options(device: &Path, usage: Usage, flags: &[String]) -> String {
-    let mut options: Vec<String> = flags.to_vec();
+/// File-system options beyond the capability's: `dax` where the device supports it and the
+/// volume is meant for AppDirect (loop devices never support it).
+fn extra_fs_options(device: &Path, usage: Usage) -> &'static [&'static str] {
     if usage == Usage::AppDirect && loopdev::supports_dax(device) {
-        options.push("dax".into());
+        &["dax"]
+    } else {
+        &[]
     }
-    options.join(",")
 }
 
 impl NodeService {
@@ -101,6 +102,7 @@ impl NodeService {
                 existing.source
             )));
         }
+        let options = MountOptions::parse(flags)?;
         Self::ensure_fs(id, &device, fs)?;
         std::fs::create_dir_all(target).map_err(VolumeError::io("creating", target.display()))?;
         mounts::mount_device(
@@ -108,7 +110,8 @@ impl NodeService {
             target,
             fs.as_str(),
             read_only,
-            &fs_options(&device, usage, flags),
+            &options,
+            extra_fs_options(&device, usage),
         )
         .map_err(VolumeError::io("mounting", target.display()))?;
         faults::point("after-mount");
@@ -304,7 +307,8 @@ impl Node for NodeService {
             }
             let meta = std::fs::symlink_metadata(&target).ok();
             match access {
-                Access::Mount { .. } => {
+                Access::Mount { flags, .. } => {
+                    let options = MountOptions::parse(&flags)?;
                     let staging =
                         PathBuf::from(required(&r.staging_target_path, "staging_target_path")?);
                     let device = self
@@ -329,7 +333,7 @@ impl Node for NodeService {
                     }
                     std::fs::create_dir_all(&target)
                         .map_err(VolumeError::io("creating", target.display()))?;
-                    mounts::bind(&staging, &target, r.readonly)
+                    mounts::bind_file_system(&staging, &target, r.readonly, &options)
                         .map_err(VolumeError::io("bind-mounting", target.display()))?;
                 }
                 Access::Block => {

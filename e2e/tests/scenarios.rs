@@ -551,3 +551,42 @@ async fn s11_node_deleted_with_a_selected_claim() {
         .await;
     s.finish().await.expect("leak check");
 }
+
+/// 12. A class with `mountOptions: [noatime]`: the pod runs, and on testenv its volume is mounted
+/// noatime, nosuid and nodev (passed to ext4 as data, noatime could never be staged).
+#[tokio::test]
+async fn s12_mount_options() {
+    let c = cluster().await;
+    let s = c.scenario("mount-options").await.expect("scenario");
+    let class = format!("{}-noatime", s.namespace);
+    let mut storage_class = objects::storage_class(&class, DRIVER, "WaitForFirstConsumer");
+    storage_class.mount_options = Some(vec!["noatime".into()]);
+    Api::<StorageClass>::all(c.client.clone())
+        .create(&Default::default(), &storage_class)
+        .await
+        .expect("class");
+    s.claim("data", &class, "64Mi", false).await.expect("claim");
+    s.pod_using("app", "data").await.expect("pod");
+    let (pod, _) = s
+        .running_with_volume("app", "data")
+        .await
+        .expect("running with the volume");
+    if let Some(env) = c.env {
+        let target = published_target(env, &uid(&pod), "data");
+        let mounted = driver::mounts::at(&target)
+            .expect("mountinfo")
+            .expect("published");
+        for want in ["noatime", "nosuid", "nodev"] {
+            assert!(
+                mounted.options.iter().any(|o| o == want),
+                "{want} missing: {:?}",
+                mounted.options
+            );
+        }
+    }
+    s.finish().await.expect("leak check");
+    Api::<StorageClass>::all(c.client.clone())
+        .delete(&class, &DeleteParams::default())
+        .await
+        .expect("delete class");
+}

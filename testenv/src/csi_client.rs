@@ -216,12 +216,18 @@ pub fn params(pairs: &[(&str, &str)]) -> HashMap<String, String> {
 
 /// A single-node-writer mount capability with file system `fs` (empty: the default).
 pub fn mount(fs: &str) -> VolumeCapability {
+    mount_with(fs, &[])
+}
+
+/// [`mount`] with `mount_flags` (a StorageClass's `mountOptions`).
+pub fn mount_with(fs: &str, flags: &[&str]) -> VolumeCapability {
     VolumeCapability {
         access_mode: Some(AccessMode {
             mode: Mode::SingleNodeWriter as i32,
         }),
         access_type: Some(AccessType::Mount(MountVolume {
             fs_type: fs.into(),
+            mount_flags: flags.iter().map(|f| f.to_string()).collect(),
             ..Default::default()
         })),
     }

@@ -28,18 +28,23 @@ pub async fn create_storage_class(
     Api::<StorageClass>::all(client.clone())
         .create(
             &PostParams::default(),
-            &StorageClass {
-                metadata: ObjectMeta {
-                    name: Some(name.into()),
-                    ..Default::default()
-                },
-                provisioner: provisioner.into(),
-                volume_binding_mode: Some(binding_mode.into()),
-                reclaim_policy: Some("Delete".into()),
-                ..Default::default()
-            },
+            &storage_class(name, provisioner, binding_mode),
         )
         .await
+}
+
+/// A StorageClass of `provisioner` with `binding_mode` and reclaim policy Delete.
+pub fn storage_class(name: &str, provisioner: &str, binding_mode: &str) -> StorageClass {
+    StorageClass {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            ..Default::default()
+        },
+        provisioner: provisioner.into(),
+        volume_binding_mode: Some(binding_mode.into()),
+        reclaim_policy: Some("Delete".into()),
+        ..Default::default()
+    }
 }
 
 /// A ReadWriteOnce claim of `size` in class `class`.
