@@ -105,6 +105,33 @@ pub fn blocking<T>(f: impl FnOnce() -> T) -> T {
 pub type OtherModes =
     Box<dyn Fn(DeviceMode) -> Result<Arc<dyn Backend>, BackendError> + Send + Sync>;
 
+type LockMap = HashMap<String, Arc<tokio::sync::Mutex<()>>>;
+
+/// One volume's lock, held while an operation runs on it. Dropping it forgets the volume's entry
+/// when nobody else holds or waits for it, so that the map never outgrows the volumes in use
+/// (IDs of deleted volumes, and made-up IDs of failed calls, used to stay for ever).
+#[derive(Debug)]
+pub struct VolumeGuard {
+    guard: Option<OwnedMutexGuard<()>>,
+    id: String,
+    locks: Arc<Mutex<LockMap>>,
+}
+
+impl Drop for VolumeGuard {
+    fn drop(&mut self) {
+        // Under the map's lock nobody can clone the entry anew; a waiter already holds a clone,
+        // so a count of one (the map's own) after releasing means no one needs it.
+        let mut locks = self.locks.lock().unwrap_or_else(PoisonError::into_inner);
+        drop(self.guard.take());
+        if locks
+            .get(&self.id)
+            .is_some_and(|l| Arc::strong_count(l) == 1)
+        {
+            locks.remove(&self.id);
+        }
+    }
+}
+
 /// This node's volumes.
 pub struct Volumes {
     backend: Arc<dyn Backend>,
@@ -112,7 +139,7 @@ pub struct Volumes {
     opened: Mutex<HashMap<DeviceMode, Arc<dyn Backend>>>,
     state: StateStore,
     index: Mutex<BTreeMap<String, VolumeState>>,
-    locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    locks: Arc<Mutex<LockMap>>,
     default_size: u64,
     changes: watch::Sender<u64>,
 }
@@ -131,7 +158,7 @@ impl Volumes {
             opened: Mutex::new(HashMap::new()),
             state,
             index: Mutex::new(BTreeMap::new()),
-            locks: Mutex::new(HashMap::new()),
+            locks: Arc::default(),
             default_size,
             changes,
         };
@@ -279,12 +306,24 @@ impl Volumes {
     }
 
     /// Serializes operations on one volume; different volumes proceed concurrently.
-    pub async fn lock(&self, id: &str) -> OwnedMutexGuard<()> {
+    pub async fn lock(&self, id: &str) -> VolumeGuard {
         let lock = {
             let mut locks = self.locks.lock().unwrap_or_else(PoisonError::into_inner);
             locks.entry(id.to_string()).or_default().clone()
         };
-        lock.lock_owned().await
+        VolumeGuard {
+            guard: Some(lock.lock_owned().await),
+            id: id.to_string(),
+            locks: self.locks.clone(),
+        }
+    }
+
+    /// How many volumes have a lock entry: those locked or waited for right now.
+    pub fn lock_entries(&self) -> usize {
+        self.locks
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
     }
 
     /// The backend.
@@ -620,6 +659,54 @@ mod tests {
         );
         reopened.delete(&first.id).await.expect("delete unknown");
         assert!(reopened.list().is_empty());
+    }
+
+    /// Locks of deleted and made-up IDs are forgotten; a lock someone waits for is not.
+    #[tokio::test]
+    async fn lock_entries_do_not_outlive_their_use() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let v = Arc::new(volumes(dir.path(), 16 * MI));
+        for i in 0..50 {
+            let mut req = request(MI, 0, Parameters::default());
+            req.name = format!("v{i}");
+            let created = v.create(req).await.expect("create");
+            v.delete(&created.id).await.expect("delete");
+            v.delete(&format!("no-such-volume-{i}"))
+                .await
+                .expect("unknown");
+        }
+        assert_eq!(
+            v.lock_entries(),
+            0,
+            "entries of deleted or unknown IDs left"
+        );
+
+        let held = v.lock("a").await;
+        let waiter = {
+            let v = v.clone();
+            tokio::spawn(async move {
+                let _second = v.lock("a").await;
+                v.lock_entries()
+            })
+        };
+        // The waiter has cloned the entry once it is queued behind the held guard.
+        while Arc::strong_count(
+            v.locks
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .get("a")
+                .expect("entry"),
+        ) < 3
+        {
+            tokio::task::yield_now().await;
+        }
+        drop(held);
+        assert_eq!(
+            waiter.await.expect("join"),
+            1,
+            "the waiter's entry survived the first guard"
+        );
+        assert_eq!(v.lock_entries(), 0);
     }
 
     #[tokio::test]
