@@ -274,6 +274,49 @@ async fn mount_options_are_flags_and_publish_keeps_nosuid_nodev() {
     h.finish().await;
 }
 
+/// A tool that hangs is killed at `--tool-timeout`: the call answers DeadlineExceeded naming
+/// the command, and the volume's lock is free again for the next call.
+#[tokio::test]
+async fn a_hung_tool_is_killed_and_releases_the_volume() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let dirs = testenv::node_driver::NodeDriverDirs::under(root.path());
+    let tools = root.path().join("bin");
+    std::fs::create_dir_all(&tools).expect("bin");
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    for name in ["blkid", "losetup", "mkfs.ext4", "sleep"] {
+        let real = driver::program::find_in(name, &path).expect(name);
+        std::os::unix::fs::symlink(real, tools.join(name)).expect("symlink");
+    }
+    let hung = tools.join("mkfs.xfs");
+    std::fs::write(&hung, "#!/bin/sh\nsleep 600\n").expect("script");
+    std::fs::set_permissions(&hung, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .expect("chmod");
+    let mut args = testenv::node_driver::emulated_args("node-1", &dirs, "1Gi");
+    args.push("--tool-timeout=1s".into());
+    let tools_path = tools.display().to_string();
+    let mut h =
+        Harness::start_with_env(bin(), root, dirs, args, &[("PATH", tools_path.as_str())]).await;
+    let id = h.create("hung", 320 * MI, &[]).await.volume_id;
+    let start = std::time::Instant::now();
+    let err = h
+        .stage(&id, mount("xfs"))
+        .await
+        .expect_err("mkfs.xfs hangs");
+    assert_eq!(err.code(), Code::DeadlineExceeded, "{}", err.message());
+    assert!(
+        err.message().contains("mkfs.xfs -q -f")
+            && err.message().contains("did not finish within 1s"),
+        "{}",
+        err.message()
+    );
+    assert!(start.elapsed() < std::time::Duration::from_secs(30));
+    // The same volume's lock is free: unstaging (nothing mounted) and deleting proceed.
+    h.unstage(&id).await;
+    h.delete(&id).await;
+    assert!(h.volume_ids().await.is_empty());
+    h.finish().await;
+}
+
 #[tokio::test]
 async fn bad_input_gets_specific_errors() {
     let mut h = Harness::emulated(bin(), &[], |_| {}).await;

@@ -149,6 +149,16 @@ pub enum BackendError {
         /// The program and its package.
         source: crate::program::MissingProgram,
     },
+    /// A tool did not finish within `--tool-timeout` and was killed.
+    #[error("{op} {what}: {source}")]
+    TimedOut {
+        /// What was being done.
+        op: &'static str,
+        /// On what.
+        what: String,
+        /// The command and the timeout.
+        source: Box<crate::tool::ToolError>,
+    },
     /// A system call or tool failed.
     #[error("{op} {what}: {reason}")]
     Io {
@@ -170,6 +180,11 @@ impl BackendError {
                 op,
                 what: what.to_string(),
                 source,
+            },
+            e @ crate::tool::ToolError::TimedOut { .. } => BackendError::TimedOut {
+                op,
+                what: what.to_string(),
+                source: Box::new(e),
             },
             e => BackendError::io(op, what, e),
         }

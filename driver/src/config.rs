@@ -70,6 +70,11 @@ pub struct NodeArgs {
     #[arg(long, default_value = "10m")]
     pub orphan_grace: String,
 
+    /// How long one run of lvm, ndctl, mkfs, blkid or losetup may take before it is killed and
+    /// its call fails with DeadlineExceeded (a hung tool would hold the node's backend lock).
+    #[arg(long, default_value = "2m")]
+    pub tool_timeout: String,
+
     /// Requests per second to the apiserver (client-side token bucket; 0 disables). Every
     /// node runs a driver, so this multiplies by the cluster size.
     #[arg(long, default_value_t = 5.0)]
@@ -113,6 +118,8 @@ pub struct NodeConfig {
     pub orphan_grace: std::time::Duration,
     /// Client rate limit: requests per second and burst.
     pub kube_api: (f64, u32),
+    /// Timeout of one tool run.
+    pub tool_timeout: std::time::Duration,
 }
 
 /// A flag is missing, malformed or does not fit the mode.
@@ -240,6 +247,14 @@ impl NodeArgs {
             orphan_grace: controllers::duration::parse_duration(&self.orphan_grace)
                 .map_err(|e| invalid("orphan-grace", e))?,
             kube_api: (self.kube_api_qps, self.kube_api_burst),
+            tool_timeout: {
+                let d = controllers::duration::parse_duration(&self.tool_timeout)
+                    .map_err(|e| invalid("tool-timeout", e))?;
+                if d.is_zero() {
+                    return Err(invalid("tool-timeout", "must be above zero"));
+                }
+                d
+            },
         })
     }
 }
@@ -266,13 +281,14 @@ mod tests {
             orphan_grace: "10m".into(),
             kube_api_qps: 5.0,
             kube_api_burst: 10,
+            tool_timeout: "2m".into(),
         }
     }
 
     #[test]
     fn validate_table() {
         type Edit = fn(&mut NodeArgs);
-        let cases: [(&str, Edit, Option<&str>); 16] = [
+        let cases: [(&str, Edit, Option<&str>); 18] = [
             ("valid", |_| {}, None),
             (
                 "tcp endpoint",
@@ -337,6 +353,16 @@ mod tests {
                     a.pmem_percentage = Some(101);
                 },
                 Some("pmem-percentage"),
+            ),
+            (
+                "zero tool timeout",
+                |a| a.tool_timeout = "0s".into(),
+                Some("tool-timeout"),
+            ),
+            (
+                "tool timeout without unit",
+                |a| a.tool_timeout = "30".into(),
+                Some("tool-timeout"),
             ),
             (
                 "percentage in direct mode",

@@ -152,6 +152,9 @@ impl VolumeError {
                 | BackendError::Missing { .. },
             )
             | VolumeError::Fs(FsError::Missing { .. }) => Code::FailedPrecondition,
+            // The tool was killed; the call is idempotent, so the caller's retry finishes it.
+            VolumeError::Backend(BackendError::TimedOut { .. })
+            | VolumeError::Fs(FsError::TimedOut { .. }) => Code::DeadlineExceeded,
             VolumeError::Backend(_)
             | VolumeError::State(_)
             | VolumeError::Fs(_)

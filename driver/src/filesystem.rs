@@ -1,10 +1,9 @@
 //! File systems on volumes: detecting what a device holds and making ext4 or xfs, through the
 //! standard tools (`blkid`, `mkfs.ext4`, `mkfs.xfs`).
 
-use std::path::Path;
-use std::process::Command;
-
 use crate::program::MissingProgram;
+use crate::tool::{self, ToolError};
+use std::path::Path;
 
 /// File systems the driver makes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -48,6 +47,16 @@ pub enum FsError {
         /// The program and its package.
         source: MissingProgram,
     },
+    /// The tool did not finish within `--tool-timeout` and was killed.
+    #[error("{tool} on {device}: {source}")]
+    TimedOut {
+        /// The tool.
+        tool: &'static str,
+        /// The device.
+        device: String,
+        /// The command and the timeout.
+        source: Box<ToolError>,
+    },
     /// The tool ran and failed, or could not be started for another reason.
     #[error("{tool} on {device}: {reason}")]
     Failed {
@@ -61,15 +70,20 @@ pub enum FsError {
 }
 
 impl FsError {
-    fn spawn(tool: &'static str, device: &Path, e: std::io::Error) -> Self {
+    fn run(tool: &'static str, device: &Path, e: ToolError) -> Self {
         let device = device.display().to_string();
-        match MissingProgram::from_spawn(tool, &e) {
-            Some(source) => FsError::Missing {
+        match e {
+            ToolError::Missing(source) => FsError::Missing {
                 tool,
                 device,
                 source,
             },
-            None => FsError::Failed {
+            e @ ToolError::TimedOut { .. } => FsError::TimedOut {
+                tool,
+                device,
+                source: Box::new(e),
+            },
+            e => FsError::Failed {
                 tool,
                 device,
                 reason: e.to_string(),
@@ -86,11 +100,15 @@ pub fn detect(device: &Path) -> Result<Option<String>, FsError> {
         reason,
     };
     // -p probes the device itself instead of trusting blkid's cache.
-    let out = Command::new("blkid")
-        .args(["-p", "-o", "value", "-s", "TYPE"])
-        .arg(device)
-        .output()
-        .map_err(|e| FsError::spawn("blkid", device, e))?;
+    let args = [
+        "-p".as_ref(),
+        "-o".as_ref(),
+        "value".as_ref(),
+        "-s".as_ref(),
+        "TYPE".as_ref(),
+        device.as_os_str(),
+    ];
+    let out = tool::output("blkid", &args).map_err(|e| FsError::run("blkid", device, e))?;
     match out.status.code() {
         Some(0) => {
             let kind = String::from_utf8_lossy(&out.stdout).trim().to_string();
@@ -111,33 +129,26 @@ pub fn detect(device: &Path) -> Result<Option<String>, FsError> {
 /// derives a 2 MiB log stripe from it and refuses (its maximum is 256 KiB); PMEM-CSI's 2 MiB
 /// `extsize` hint for xfs is not carried over.
 pub fn make(device: &Path, fs: FsType) -> Result<(), FsError> {
-    let mut command = match fs {
-        FsType::Ext4 => {
-            let mut c = Command::new("mkfs.ext4");
-            c.args([
+    let (tool, options): (&'static str, &[&str]) = match fs {
+        FsType::Ext4 => (
+            "mkfs.ext4",
+            &[
                 "-q",
                 "-F",
                 "-b",
                 "4096",
                 "-E",
                 "stride=512,stripe_width=512",
-            ]);
-            c
-        }
-        FsType::Xfs => {
-            let mut c = Command::new("mkfs.xfs");
-            c.args(["-q", "-f", "-b", "size=4096", "-m", "reflink=0"]);
-            c
-        }
+            ],
+        ),
+        FsType::Xfs => (
+            "mkfs.xfs",
+            &["-q", "-f", "-b", "size=4096", "-m", "reflink=0"],
+        ),
     };
-    let tool = match fs {
-        FsType::Ext4 => "mkfs.ext4",
-        FsType::Xfs => "mkfs.xfs",
-    };
-    let out = command
-        .arg(device)
-        .output()
-        .map_err(|e| FsError::spawn(tool, device, e))?;
+    let mut args: Vec<&std::ffi::OsStr> = options.iter().map(|o| o.as_ref()).collect();
+    args.push(device.as_os_str());
+    let out = tool::output(tool, &args).map_err(|e| FsError::run(tool, device, e))?;
     if !out.status.success() {
         return Err(FsError::Failed {
             tool,

@@ -104,6 +104,7 @@ impl NodeDriver {
     /// Opens the backend and state (repairing what a crash left), registers the metrics in
     /// `registry` and binds the socket.
     pub fn start(config: NodeConfig, registry: &mut Registry) -> Result<Self, DriverError> {
+        tool::set_timeout(config.tool_timeout);
         let backend: Arc<dyn backend::Backend> =
             match config.device_mode {
                 backend::DeviceMode::Emulated => {

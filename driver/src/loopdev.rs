@@ -1,9 +1,8 @@
 //! Loop devices through the standard `losetup` tool, and their backing files through sysfs.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
-
 use crate::backend::BackendError;
+use crate::tool;
+use std::path::{Path, PathBuf};
 
 /// Loop devices and their backing files, read from `/sys/block/loop*/loop/backing_file`.
 pub fn attached() -> Vec<(PathBuf, PathBuf)> {
@@ -35,24 +34,13 @@ pub fn find(file: &Path) -> Option<PathBuf> {
         .map(|(device, _)| device)
 }
 
-fn spawn_error(op: &'static str, what: &Path) -> impl FnOnce(std::io::Error) -> BackendError {
-    move |e| match crate::program::MissingProgram::from_spawn("losetup", &e) {
-        Some(source) => BackendError::Missing {
-            op,
-            what: what.display().to_string(),
-            source,
-        },
-        None => BackendError::io(op, what.display(), e),
-    }
-}
-
 /// Attaches `file` to a free loop device and returns it.
 pub fn attach(file: &Path) -> Result<PathBuf, BackendError> {
-    let out = Command::new("losetup")
-        .args(["--find", "--show"])
-        .arg(file)
-        .output()
-        .map_err(spawn_error("running losetup for", file))?;
+    let out = tool::output(
+        "losetup",
+        &["--find".as_ref(), "--show".as_ref(), file.as_os_str()],
+    )
+    .map_err(|e| BackendError::tool("running losetup for", file.display(), e))?;
     if !out.status.success() {
         return Err(BackendError::io(
             "attaching a loop device to",
@@ -65,11 +53,8 @@ pub fn attach(file: &Path) -> Result<PathBuf, BackendError> {
 
 /// Detaches `device`.
 pub fn detach(device: &Path) -> Result<(), BackendError> {
-    let out = Command::new("losetup")
-        .arg("--detach")
-        .arg(device)
-        .output()
-        .map_err(spawn_error("running losetup for", device))?;
+    let out = tool::output("losetup", &["--detach".as_ref(), device.as_os_str()])
+        .map_err(|e| BackendError::tool("running losetup for", device.display(), e))?;
     if !out.status.success() {
         return Err(BackendError::io(
             "detaching",

@@ -112,7 +112,10 @@ struct CapacityCollector {
 
 impl prometheus_client::collector::Collector for CapacityCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let capacity = match self.volumes.capacity() {
+        let capacity = match self
+            .volumes
+            .recent_capacity(crate::volumes::CAPACITY_MAX_AGE)
+        {
             Ok(c) => c,
             Err(e) => {
                 tracing::warn!("capacity for metrics: {e}");

@@ -142,7 +142,14 @@ pub struct Volumes {
     locks: Arc<Mutex<LockMap>>,
     default_size: u64,
     changes: watch::Sender<u64>,
+    last_capacity: Mutex<Option<(Capacity, std::time::Instant)>>,
 }
+
+/// How old the capacity a metrics scrape is served may be: a scrape must not run `vgs` or
+/// `ndctl` (seconds each under load, serialized with volume operations) every time it comes,
+/// while figures no create or delete changed stay close to the truth for what else uses the
+/// pools.
+pub const CAPACITY_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(30);
 
 impl Volumes {
     /// Opens the state, repairs what a crash left and returns the volumes.
@@ -160,6 +167,7 @@ impl Volumes {
             index: Mutex::new(BTreeMap::new()),
             locks: Arc::default(),
             default_size,
+            last_capacity: Mutex::new(None),
             changes,
         };
         volumes.repair()?;
@@ -343,7 +351,28 @@ impl Volumes {
 
     /// Current capacity.
     pub fn capacity(&self) -> Result<Capacity, VolumeError> {
-        blocking(|| self.backend.capacity()).map_err(VolumeError::Backend)
+        let capacity = blocking(|| self.backend.capacity()).map_err(VolumeError::Backend)?;
+        *self
+            .last_capacity
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) =
+            Some((capacity.clone(), std::time::Instant::now()));
+        Ok(capacity)
+    }
+
+    /// The last capacity read, if a create or delete has not changed it since and it is younger
+    /// than `max_age`; otherwise read anew (for `/metrics`).
+    pub fn recent_capacity(&self, max_age: std::time::Duration) -> Result<Capacity, VolumeError> {
+        if let Some((capacity, at)) = self
+            .last_capacity
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            && at.elapsed() < max_age
+        {
+            return Ok(capacity.clone());
+        }
+        self.capacity()
     }
 
     /// A receiver that changes after every create and delete (for the capacity publisher).
@@ -352,6 +381,10 @@ impl Volumes {
     }
 
     fn changed(&self) {
+        *self
+            .last_capacity
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = None;
         self.changes.send_modify(|generation| *generation += 1);
     }
 
@@ -511,6 +544,8 @@ impl controllers::orphan_sweep::SweepTarget for Volumes {
 mod tests {
     use super::*;
     use crate::fake::{FAKE_ALIGNMENT, Fake};
+    use crate::parameters::Usage;
+    use std::path::PathBuf;
 
     const MI: u64 = 1 << 20;
     const A: u64 = 4 * MI;
@@ -707,6 +742,87 @@ mod tests {
             "the waiter's entry survived the first guard"
         );
         assert_eq!(v.lock_entries(), 0);
+    }
+
+    /// A fake backend that counts its capacity reads (each a `vgs` or `ndctl list` on PMEM).
+    #[derive(Debug)]
+    struct CountingReads {
+        inner: Fake,
+        reads: std::sync::atomic::AtomicUsize,
+    }
+
+    impl Backend for CountingReads {
+        fn mode(&self) -> DeviceMode {
+            self.inner.mode()
+        }
+        fn alignment(&self) -> u64 {
+            self.inner.alignment()
+        }
+        fn capacity(&self) -> Result<Capacity, BackendError> {
+            self.reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            self.inner.capacity()
+        }
+        fn create(&self, id: &str, size: u64, usage: Usage) -> Result<(), BackendError> {
+            self.inner.create(id, size, usage)
+        }
+        fn delete(&self, id: &str, erase: bool) -> Result<(), BackendError> {
+            self.inner.delete(id, erase)
+        }
+        fn size_of(&self, id: &str) -> Result<Option<u64>, BackendError> {
+            self.inner.size_of(id)
+        }
+        fn list(&self) -> Result<Vec<String>, BackendError> {
+            self.inner.list()
+        }
+        fn attach(&self, id: &str) -> Result<PathBuf, BackendError> {
+            self.inner.attach(id)
+        }
+        fn attached(&self, id: &str) -> Result<Option<PathBuf>, BackendError> {
+            self.inner.attached(id)
+        }
+        fn detach(&self, id: &str) -> Result<(), BackendError> {
+            self.inner.detach(id)
+        }
+    }
+
+    /// Scrapes are served the last figures until a create or delete changes them or they age.
+    #[tokio::test]
+    async fn recent_capacity_reads_the_backend_once_per_change() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let backend = Arc::new(CountingReads {
+            inner: Fake::new(16 * MI),
+            reads: Default::default(),
+        });
+        let v = Volumes::open(
+            backend.clone(),
+            StateStore::open(dir.path()).expect("state"),
+            FAKE_ALIGNMENT,
+        )
+        .expect("open");
+        let reads = || backend.reads.load(std::sync::atomic::Ordering::SeqCst);
+        let hour = std::time::Duration::from_secs(3600);
+        let start = reads();
+        for _ in 0..10 {
+            assert_eq!(
+                v.recent_capacity(hour).expect("capacity").available(),
+                16 * MI
+            );
+        }
+        assert_eq!(reads() - start, 1, "ten scrapes, one read");
+        v.create(request(MI, 0, Parameters::default()))
+            .await
+            .expect("create");
+        let after_create = reads();
+        for _ in 0..10 {
+            assert_eq!(
+                v.recent_capacity(hour).expect("capacity").available(),
+                12 * MI
+            );
+        }
+        assert_eq!(reads() - after_create, 1, "a create invalidates once");
+        v.recent_capacity(std::time::Duration::ZERO)
+            .expect("capacity");
+        assert_eq!(reads() - after_create, 2, "an aged figure is read anew");
     }
 
     #[tokio::test]

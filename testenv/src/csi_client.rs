@@ -54,8 +54,20 @@ impl Harness {
         dirs: NodeDriverDirs,
         args: Vec<String>,
     ) -> Self {
+        Self::start_with_env(binary, root, dirs, args, &[]).await
+    }
+
+    /// [`Harness::start`] with `env` added to the driver's environment (a `PATH` of chosen
+    /// tools, say).
+    pub async fn start_with_env(
+        binary: &Path,
+        root: tempfile::TempDir,
+        dirs: NodeDriverDirs,
+        args: Vec<String>,
+        env: &[(&str, &str)],
+    ) -> Self {
         let group = ProcessGroup::new().expect("group");
-        let driver = node_driver::start(binary, args, &dirs, &group, &[])
+        let driver = node_driver::start(binary, args, &dirs, &group, env)
             .await
             .expect("driver starts");
         let channel = driver::client::connect(&dirs.socket)
