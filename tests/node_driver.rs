@@ -317,6 +317,116 @@ async fn a_hung_tool_is_killed_and_releases_the_volume() {
     h.finish().await;
 }
 
+fn digest(path: &Path) -> String {
+    use sha2::Digest;
+    hex_digest(&sha2::Sha256::digest(std::fs::read(path).expect("read")))
+}
+
+fn hex_digest(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Start-up repair never destroys data: a corrupt state file is quarantined and its device kept
+/// (and a staged mount of it can still be unstaged), a device without state is kept and
+/// reported, and recorded devices that went missing stop the start instead of costing their
+/// state. Before these rules, the restart below erased both devices and dropped the state.
+#[tokio::test]
+async fn start_up_repair_never_destroys_data() {
+    let port = testenv::ports::free_port().expect("port");
+    let admin = format!("--admin-address=127.0.0.1:{port}");
+    let mut h = Harness::emulated(bin(), &[&admin], |_| {}).await;
+    let args = {
+        let mut a = testenv::node_driver::emulated_args("node-1", &h.dirs, "1Gi");
+        a.push(admin.clone());
+        a
+    };
+    let kept = h.create("kept", 16 * MI, &[]).await.volume_id;
+    h.stage(&kept, mount("ext4")).await.expect("stage");
+    std::fs::write(h.path("staging").join("data"), "precious").expect("write");
+    let state_file = h.dirs.state.join(format!("{kept}.json"));
+    let device_file = h.dirs.region.join(format!("{kept}.pmem"));
+    // A device no state records, with content.
+    let stray = h.dirs.region.join("pvc-00-stray.pmem");
+    std::fs::write(&stray, vec![7u8; 4 << 20]).expect("stray");
+    let stray_digest = digest(&stray);
+
+    std::fs::write(&state_file, b"{\"id\": \"truncat").expect("corrupt the state");
+    let restart_args = args.clone();
+    h.restart(restart_args).await;
+    assert!(!state_file.exists(), "corrupt state left in place");
+    let quarantined = h.dirs.state.join(format!("{kept}.json.quarantined"));
+    assert!(quarantined.exists(), "corrupt state not quarantined");
+    assert!(
+        device_file.exists(),
+        "the quarantined volume's device was deleted"
+    );
+    assert_eq!(digest(&stray), stray_digest, "the stray device changed");
+    assert!(h.volume_ids().await.is_empty());
+    let client =
+        testenv::control_plane::anonymous_probe(&format!("http://127.0.0.1:{port}"), "metrics")
+            .expect("client");
+    let text = client
+        .request_text(
+            http::Request::get("/metrics")
+                .body(Vec::new())
+                .expect("request"),
+        )
+        .await
+        .expect("scrape");
+    for line in [
+        "pmem_csi_unrecorded_devices{node=\"node-1\",driver_name=\"pmem-csi.intel.com\"} 1",
+        "pmem_csi_quarantined_volumes{node=\"node-1\",driver_name=\"pmem-csi.intel.com\"} 1",
+    ] {
+        assert!(text.contains(line), "missing {line:?} in:\n{text}");
+    }
+    // kubelet can still unstage the volume the driver no longer knows.
+    assert!(mount_of(&h.path("staging")).is_some());
+    h.unstage(&kept).await;
+    assert!(mount_of(&h.path("staging")).is_none());
+    // The operator restores the state: the volume and its data are back.
+    std::fs::rename(&quarantined, &state_file).expect("restore");
+    std::fs::write(
+        &state_file,
+        serde_json::to_vec(&serde_json::json!({
+            "id": kept, "size": 16 * MI,
+            "parameters": {"name": "kept", "deviceMode": "emulated"}
+        }))
+        .expect("json"),
+    )
+    .expect("repaired state");
+    let restart_args = args.clone();
+    h.restart(restart_args).await;
+    assert_eq!(h.volume_ids().await, vec![kept.clone()]);
+    h.stage(&kept, mount("ext4")).await.expect("stage again");
+    assert_eq!(
+        std::fs::read_to_string(h.path("staging").join("data")).expect("read back"),
+        "precious"
+    );
+    h.unstage(&kept).await;
+
+    // Devices that went missing (an emptied region) stop the start, and the state stays.
+    let away = h.path("away");
+    std::fs::create_dir_all(&away).expect("away");
+    std::fs::rename(&device_file, away.join("kept.pmem")).expect("hide device");
+    let restart_args = args.clone();
+    let refused = h.restart_refused(restart_args).await;
+    assert!(
+        refused.contains("1 recorded volume(s) have no device") && refused.contains(&kept),
+        "{refused}"
+    );
+    assert!(
+        state_file.exists(),
+        "the state of a missing device was removed"
+    );
+    std::fs::rename(away.join("kept.pmem"), &device_file).expect("device back");
+    let restart_args = args.clone();
+    h.restart(restart_args).await;
+    assert_eq!(h.volume_ids().await, vec![kept.clone()]);
+    h.delete(&kept).await;
+    std::fs::remove_file(&stray).expect("operator removes the stray device");
+    h.finish().await;
+}
+
 #[tokio::test]
 async fn bad_input_gets_specific_errors() {
     let mut h = Harness::emulated(bin(), &[], |_| {}).await;

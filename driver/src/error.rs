@@ -99,6 +99,9 @@ pub enum VolumeError {
         /// Why.
         source: std::io::Error,
     },
+    /// Start-up repair refused: recorded devices are missing.
+    #[error(transparent)]
+    RepairRefused(#[from] crate::repair::Refusal),
     /// Two names hash to the same volume ID.
     #[error("volume ID {id} of {name} is already used by volume {other}")]
     Collision {
@@ -145,7 +148,9 @@ impl VolumeError {
             | VolumeError::Conflict(_) => Code::AlreadyExists,
             VolumeError::OutOfRange(_) => Code::OutOfRange,
             VolumeError::NoSpace { .. } => Code::ResourceExhausted,
-            VolumeError::Precondition(_) => Code::FailedPrecondition,
+            VolumeError::Precondition(_) | VolumeError::RepairRefused(_) => {
+                Code::FailedPrecondition
+            }
             VolumeError::Backend(
                 BackendError::InUse { .. }
                 | BackendError::NoDevices { .. }

@@ -24,6 +24,7 @@ pub mod ndctl;
 pub mod node;
 pub mod parameters;
 pub mod program;
+pub mod repair;
 
 pub mod server;
 pub mod state;

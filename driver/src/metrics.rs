@@ -112,6 +112,24 @@ struct CapacityCollector {
 
 impl prometheus_client::collector::Collector for CapacityCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        // Devices start-up kept without a usable state: an operator must look at them.
+        let report = self.volumes.repair_report();
+        for (name, help, value) in [
+            (
+                "pmem_csi_unrecorded_devices",
+                "Devices the driver found at start without a state file; kept, never deleted automatically.",
+                report.unrecorded.len(),
+            ),
+            (
+                "pmem_csi_quarantined_volumes",
+                "Volumes whose state file did not parse, moved to <id>.json.quarantined; their devices are kept.",
+                report.quarantined.len(),
+            ),
+        ] {
+            let mut metric = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            let family = metric.encode_family(&self.labels)?;
+            ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX)).encode(family)?;
+        }
         let capacity = match self
             .volumes
             .recent_capacity(crate::volumes::CAPACITY_MAX_AGE)

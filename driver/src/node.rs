@@ -259,13 +259,17 @@ impl Node for NodeService {
         let id = required(&r.volume_id, "volume_id")?.to_string();
         let staging = PathBuf::from(required(&r.staging_target_path, "staging_target_path")?);
         let _guard = self.volumes.lock(&id).await;
-        if self.volumes.get(&id).is_none() {
-            return Err(VolumeError::Unknown { id }.into());
-        }
+        // A volume this driver does not know (its state quarantined, or never ours) may still
+        // be mounted here: unmount it and answer OK, or kubelet could never finish the pod.
+        let known = self.volumes.get(&id).is_some();
         blocking(|| {
             if mount_at(&staging)?.is_some() {
                 mounts::unmount(&staging)
                     .map_err(VolumeError::io("unmounting", staging.display()))?;
+            }
+            if !known {
+                tracing::warn!(id, staging = %staging.display(), "unstaged a volume without state");
+                return Ok(());
             }
             self.release_device(&id)
         })?;

@@ -12,6 +12,14 @@ use serde::{Deserialize, Serialize};
 /// Suffix of temporary files; never loaded, removed at start.
 const TMP_SUFFIX: &str = ".tmp";
 
+/// Suffix of a volume's pending marker, `<id>.pending`: present while its device is being made
+/// or removed, so that start-up can tell an interrupted create or delete (the device may be
+/// missing) from a device that went missing (which must never cost the state).
+const PENDING_SUFFIX: &str = ".pending";
+
+/// Suffix a corrupt state file is renamed to: kept for an operator, never loaded.
+pub const QUARANTINE_SUFFIX: &str = ".quarantined";
+
 /// One volume as PMEM-CSI 1.0 stores it in `<state-dir>/<id>.json`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VolumeState {
@@ -130,6 +138,60 @@ impl StateStore {
         File::open(&self.dir)
             .and_then(|d| d.sync_all())
             .map_err(io("syncing", &self.dir))
+    }
+
+    /// Marks `id` pending: its device is about to be made or removed. `durable` syncs the
+    /// directory (a delete needs it: after a power loss a state without device and without
+    /// marker would stop the next start); a create's marker becomes durable with the state
+    /// file written after it.
+    pub fn mark_pending(&self, id: &str, durable: bool) -> Result<(), StateError> {
+        let path = self.pending_path(id)?;
+        File::create(&path).map_err(io("creating", &path))?;
+        if durable {
+            self.sync_dir()?;
+        }
+        Ok(())
+    }
+
+    /// Clears the pending marker of `id`. Not synced: a marker that comes back after a power
+    /// loss only makes start-up look at a volume whose device is there.
+    pub fn clear_pending(&self, id: &str) -> Result<(), StateError> {
+        let path = self.pending_path(id)?;
+        match std::fs::remove_file(&path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(io("removing", &path)(e)),
+        }
+    }
+
+    /// IDs with a pending marker.
+    pub fn pending(&self) -> Result<std::collections::BTreeSet<String>, StateError> {
+        Ok(std::fs::read_dir(&self.dir)
+            .map_err(io("reading", &self.dir))?
+            .flatten()
+            .filter_map(|e| {
+                e.file_name()
+                    .to_str()?
+                    .strip_suffix(PENDING_SUFFIX)
+                    .map(str::to_string)
+            })
+            .collect())
+    }
+
+    fn pending_path(&self, id: &str) -> Result<PathBuf, StateError> {
+        self.path(id)?;
+        Ok(self.dir.join(format!("{id}{PENDING_SUFFIX}")))
+    }
+
+    /// Moves the corrupt state file `path` aside to `<file>.quarantined` (durably) and returns
+    /// the new path; the volume's device is kept for an operator to decide.
+    pub fn quarantine(&self, path: &Path) -> Result<PathBuf, StateError> {
+        let mut target = path.as_os_str().to_owned();
+        target.push(QUARANTINE_SUFFIX);
+        let target = PathBuf::from(target);
+        std::fs::rename(path, &target).map_err(io("quarantining", path))?;
+        self.sync_dir()?;
+        Ok(target)
     }
 
     /// When the state of `id` was written (its creation: state is written once per volume).

@@ -10,6 +10,7 @@ use tokio::sync::{OwnedMutexGuard, watch};
 use crate::backend::{Backend, BackendError, Capacity, DeviceMode, align_up};
 use crate::error::VolumeError;
 use crate::parameters::{self, Origin, Parameters};
+use crate::repair;
 use crate::state::{StateStore, VolumeState};
 use crate::volume_id::volume_id;
 
@@ -143,6 +144,7 @@ pub struct Volumes {
     default_size: u64,
     changes: watch::Sender<u64>,
     last_capacity: Mutex<Option<(Capacity, std::time::Instant)>>,
+    repair_report: Mutex<repair::RepairReport>,
 }
 
 /// How old the capacity a metrics scrape is served may be: a scrape must not run `vgs` or
@@ -168,6 +170,7 @@ impl Volumes {
             locks: Arc::default(),
             default_size,
             last_capacity: Mutex::new(None),
+            repair_report: Mutex::default(),
             changes,
         };
         volumes.repair()?;
@@ -231,23 +234,40 @@ impl Volumes {
     /// the device existed (or a delete after it was gone) and is dropped; a device without
     /// state cannot come from a completed create (state is written first) and is deleted;
     /// loop devices nothing mounts are detached.
+    /// Start-up repair (rules in `repair.rs`): gathers the facts, lets [`repair::plan`] decide,
+    /// applies the plan.
     fn repair(&self) -> Result<(), VolumeError> {
         let mode = self.backend.mode().as_str();
         let (stored, corrupt) = self.state.load_all()?;
+        let mut quarantined_ids = std::collections::BTreeSet::new();
         for e in corrupt {
-            tracing::error!("{e}; the file is left for inspection and its volume ignored");
+            let crate::state::StateError::Corrupt { path, .. } = &e else {
+                return Err(e.into());
+            };
+            let id = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .and_then(repair::id_of_state_file)
+                .map(str::to_string);
+            let moved = self.state.quarantine(path)?;
+            tracing::error!(
+                moved = %moved.display(),
+                "{e}; quarantined, its device is kept"
+            );
+            quarantined_ids.extend(id);
         }
         let mut index = BTreeMap::new();
+        let mut recorded = Vec::new();
         for volume in stored {
-            let recorded = volume
+            let in_mode = volume
                 .parameters
                 .get(parameters::DEVICE_MODE)
                 .map(String::as_str)
                 .unwrap_or(mode);
-            if recorded != mode {
+            if in_mode != mode {
                 tracing::warn!(
                     id = volume.id,
-                    recorded,
+                    recorded = in_mode,
                     mode,
                     "volume of another device mode kept as is"
                 );
@@ -255,51 +275,69 @@ impl Volumes {
                 continue;
             }
             let size = u64::try_from(volume.size).unwrap_or(0);
-            match self
+            let device = self
                 .backend
                 .size_of(&volume.id)
-                .map_err(VolumeError::Backend)?
-            {
-                // Direct-mode namespaces may hold a little more than asked for (or, made by
-                // PMEM-CSI 1.0, less).
-                Some(actual) if actual >= size || !self.backend.partial_creates() => {
-                    index.insert(volume.id.clone(), volume);
-                }
-                Some(actual) => {
-                    // Allocation was interrupted: finish it, the create was not answered yet.
-                    tracing::info!(
-                        id = volume.id,
-                        actual,
-                        size,
-                        "repair: completing an interrupted allocation"
-                    );
-                    let usage = Parameters::parse(&volume.parameters, Origin::State)
-                        .map(|p| p.usage())
-                        .unwrap_or_default();
-                    self.backend
-                        .create(&volume.id, size, usage)
-                        .map_err(|e| VolumeError::backend(&volume.id, e))?;
-                    index.insert(volume.id.clone(), volume);
-                }
-                None if self.backend.adopt(&volume.id, size) => {
-                    index.insert(volume.id.clone(), volume);
-                }
-                None => {
-                    tracing::info!(
-                        id = volume.id,
-                        "repair: removing state of a volume without device"
-                    );
-                    self.state.remove(&volume.id)?;
-                }
-            }
+                .map_err(VolumeError::Backend)?;
+            // Only the fake backend adopts (its memory went with the process); asked only when
+            // the device is missing.
+            let adoptable = device.is_none() && self.backend.adopt(&volume.id, size);
+            recorded.push(repair::Recorded {
+                id: volume.id.clone(),
+                size,
+                device,
+                adoptable,
+            });
+            index.insert(volume.id.clone(), volume);
         }
-        for id in self.backend.list().map_err(VolumeError::Backend)? {
-            if !index.contains_key(&id) {
-                tracing::info!(id, "repair: deleting a device without state");
-                self.backend
-                    .delete(&id, true)
-                    .map_err(|e| VolumeError::backend(&id, e))?;
-            }
+        let devices = self
+            .backend
+            .list()
+            .map_err(VolumeError::Backend)?
+            .into_iter()
+            .collect();
+        let has_pools = !self
+            .backend
+            .capacity()
+            .map_err(VolumeError::Backend)?
+            .pools
+            .is_empty();
+        let plan = repair::plan(
+            &recorded,
+            &self.state.pending()?,
+            &quarantined_ids,
+            &devices,
+            has_pools,
+            self.backend.partial_creates(),
+        )?;
+        for id in &plan.complete {
+            let volume = &index[id];
+            let size = u64::try_from(volume.size).unwrap_or(0);
+            tracing::info!(id, size, "repair: completing an interrupted allocation");
+            let usage = Parameters::parse(&volume.parameters, Origin::State)
+                .map(|p| p.usage())
+                .unwrap_or_default();
+            self.backend
+                .create(id, size, usage)
+                .map_err(|e| VolumeError::backend(id, e))?;
+        }
+        for id in &plan.forget {
+            tracing::info!(
+                id,
+                "repair: removing the state of a volume whose create or delete was interrupted without a device"
+            );
+            self.state.remove(id)?;
+            index.remove(id);
+        }
+        for id in &plan.clear_pending {
+            self.state.clear_pending(id)?;
+        }
+        let report = repair::RepairReport {
+            unrecorded: plan.unrecorded,
+            quarantined: plan.quarantined,
+        };
+        for (id, advice) in repair::advice(&report) {
+            tracing::warn!(id, mode, "repair: {advice}");
         }
         for released in self
             .backend
@@ -308,9 +346,27 @@ impl Volumes {
         {
             tracing::info!(device = released, "repair: detached an unused loop device");
         }
-        tracing::info!(volumes = index.len(), mode, "node state loaded");
+        tracing::info!(
+            volumes = index.len(),
+            unrecorded = report.unrecorded.len(),
+            quarantined = report.quarantined.len(),
+            mode,
+            "node state loaded"
+        );
         *self.index() = index;
+        *self
+            .repair_report
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = report;
         Ok(())
+    }
+
+    /// The devices start-up kept without a usable state (for metrics).
+    pub fn repair_report(&self) -> repair::RepairReport {
+        self.repair_report
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     /// Serializes operations on one volume; different volumes proceed concurrently.
@@ -437,15 +493,20 @@ impl Volumes {
                     },
                 ));
             }
+            // The marker tells start-up that a missing device is this create's, not a loss;
+            // the state's directory sync below makes it durable with the state.
+            self.state.mark_pending(&id, false)?;
             self.state.write(&volume)?;
             crate::faults::point("after-state-write");
             if let Err(e) = self.backend.create(&id, size, request.parameters.usage()) {
                 if let Err(cleanup) = self.state.remove(&id) {
                     tracing::error!(id, "removing state after a failed create: {cleanup}");
                 }
+                let _ = self.state.clear_pending(&id);
                 return Err(VolumeError::backend(&request.name, e));
             }
             crate::faults::point("after-allocation");
+            self.state.clear_pending(&id)?;
             Ok(())
         })?;
         self.index().insert(id.clone(), volume.clone());
@@ -455,7 +516,8 @@ impl Volumes {
     }
 
     /// DeleteVolume: an unknown ID succeeds. The device is removed (scrubbed per `eraseafter`)
-    /// before the state, so a crash in between leaves state that start-up repair drops.
+    /// before the state, under a pending marker, so a crash in between leaves state that
+    /// start-up repair drops.
     pub async fn delete(&self, id: &str) -> Result<(), VolumeError> {
         let _guard = self.lock(id).await;
         self.delete_locked(id)
@@ -469,11 +531,13 @@ impl Volumes {
         let stored = Parameters::parse(&volume.parameters, Origin::State)?;
         let backend = self.backend_of(id)?;
         blocking(|| {
+            self.state.mark_pending(id, true)?;
             backend
                 .delete(id, stored.erase_after())
                 .map_err(|e| VolumeError::backend(id, e))?;
             crate::faults::point("before-state-removal");
-            self.state.remove(id).map_err(VolumeError::from)
+            self.state.remove(id)?;
+            self.state.clear_pending(id).map_err(VolumeError::from)
         })?;
         self.index().remove(id);
         self.changed();

@@ -100,6 +100,26 @@ impl Harness {
         self.node = NodeClient::new(channel);
     }
 
+    /// Stops the driver and starts it with `args`, expecting it to refuse to start; returns
+    /// what it said (the end of its log). The harness has no driver afterwards until
+    /// [`Harness::restart`].
+    pub async fn restart_refused(&mut self, args: Vec<String>) -> String {
+        if let Some(driver) = self.driver.take() {
+            driver.stop().await;
+        }
+        match node_driver::start(&self.binary, args, &self.dirs, &self.group, &[]).await {
+            Ok(driver) => {
+                driver.stop().await;
+                panic!("the driver started");
+            }
+            // The whole log: the error's tail may be a backtrace.
+            Err(e) => format!(
+                "{e}\n{}",
+                std::fs::read_to_string(&self.dirs.log).unwrap_or_default()
+            ),
+        }
+    }
+
     /// A path under the test's root.
     pub fn path(&self, name: &str) -> PathBuf {
         self.root.path().join(name)
