@@ -3,6 +3,8 @@
 //! fault points. After every kill the driver restarts and the interrupted call is retried, as
 //! external-provisioner and kubelet retry. Throughout and at the end, the volumes that exist are
 //! exactly those created and not deleted, and no loop device or mount outlives an unstage.
+//! Between some starts a state file is corrupted or the emulated directory is empty for one
+//! start: no device's content may change, and no state may be lost.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -69,6 +71,8 @@ struct Cluster {
     kills: usize,
     fault_kills: usize,
     restarts: usize,
+    /// Corrupt states and empty regions survived.
+    disturbances: usize,
 }
 
 fn mount() -> VolumeCapability {
@@ -182,6 +186,109 @@ impl Cluster {
         panic!("{what} did not succeed after 20 attempts");
     }
 
+    /// The SHA-256 of every region file's head (where ext4 keeps its superblocks and an erase
+    /// starts) and its length: a device's content must survive every restart. Whole files
+    /// would cost a minute of hashing per check in a debug build.
+    fn region_digests(&self) -> BTreeMap<String, String> {
+        use sha2::Digest;
+        use std::io::Read;
+        std::fs::read_dir(&self.dirs.region)
+            .expect("region")
+            .flatten()
+            .map(|e| {
+                let mut bytes = Vec::new();
+                std::fs::File::open(e.path())
+                    .and_then(|f| f.take(256 << 10).read_to_end(&mut bytes))
+                    .expect("read region file");
+                let len = e.metadata().expect("stat").len();
+                bytes.extend_from_slice(&len.to_le_bytes());
+                let hex: String = sha2::Sha256::digest(&bytes)
+                    .iter()
+                    .map(|b| format!("{b:02x}"))
+                    .collect();
+                (e.file_name().to_string_lossy().into_owned(), hex)
+            })
+            .collect()
+    }
+
+    /// A state file turns to garbage between two starts: the volume is quarantined, its device
+    /// kept byte for byte; the operator puts the state back and the volume returns.
+    async fn corrupt_one_state(&mut self, model: &BTreeMap<String, String>) {
+        let Some(id) = model.values().next().cloned() else {
+            return;
+        };
+        if let Some(old) = self.driver.take() {
+            old.stop().await;
+        }
+        let before = self.region_digests();
+        let state = self.dirs.state.join(format!("{id}.json"));
+        let saved = std::fs::read(&state).expect("state");
+        std::fs::write(&state, &saved[..saved.len() / 2]).expect("truncate state");
+        self.restart(None).await;
+        let mut without: Vec<String> = expected(model);
+        without.retain(|v| *v != id);
+        assert_eq!(self.list().await, without, "{id} quarantined");
+        assert_eq!(self.region_digests(), before, "a device changed at start");
+        let quarantined = self.dirs.state.join(format!("{id}.json.quarantined"));
+        assert!(quarantined.exists(), "{id}: no quarantined state");
+        if let Some(old) = self.driver.take() {
+            old.stop().await;
+        }
+        std::fs::remove_file(&quarantined).expect("operator clears the quarantine");
+        std::fs::write(&state, &saved).expect("operator restores the state");
+        self.restart(None).await;
+        assert_eq!(self.list().await, expected(model), "{id} restored");
+        self.disturbances += 1;
+    }
+
+    /// The emulated directory is empty for one start (a hostPath not mounted yet): the driver
+    /// refuses to start and keeps every state; with the files back it starts with all volumes.
+    async fn start_with_an_empty_region(&mut self, model: &BTreeMap<String, String>) {
+        if model.is_empty() {
+            return;
+        }
+        if let Some(old) = self.driver.take() {
+            old.stop().await;
+        }
+        let before = self.region_digests();
+        let aside = self.root.join("region-aside");
+        std::fs::rename(&self.dirs.region, &aside).expect("hide the region");
+        std::fs::create_dir_all(&self.dirs.region).expect("empty region");
+        let args = node_driver::emulated_args("node-1", &self.dirs, "1Gi");
+        let refused = node_driver::start(
+            Path::new(env!("CARGO_BIN_EXE_pmem-csi")),
+            args,
+            &self.dirs,
+            &self.group,
+            &[],
+        )
+        .await;
+        assert!(
+            refused.is_err(),
+            "the driver started with every device missing"
+        );
+        let states = std::fs::read_dir(&self.dirs.state)
+            .expect("state")
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".json"))
+            .count();
+        assert_eq!(
+            states,
+            model.len(),
+            "states lost while the region was empty"
+        );
+        std::fs::remove_dir(&self.dirs.region).expect("remove the empty region");
+        std::fs::rename(&aside, &self.dirs.region).expect("region back");
+        self.restart(None).await;
+        assert_eq!(
+            self.list().await,
+            expected(model),
+            "volumes after the region came back"
+        );
+        assert_eq!(self.region_digests(), before, "a device changed at start");
+        self.disturbances += 1;
+    }
+
     async fn list(&mut self) -> Vec<String> {
         let mut ids = driver::client::volume_ids(&mut self.controller)
             .await
@@ -225,6 +332,7 @@ async fn survives_sigkill_at_random_moments_and_fault_points() {
         kills: 0,
         fault_kills: 0,
         restarts: 0,
+        disturbances: 0,
     };
     // name → volume id of every volume created and not deleted.
     let mut model: BTreeMap<String, String> = BTreeMap::new();
@@ -354,6 +462,14 @@ async fn survives_sigkill_at_random_moments_and_fault_points() {
                 "volumes after {op_index} operations"
             );
         }
+        // Now and then, what an operator's node can do to the driver between two starts.
+        if op_index % 300 == 150 {
+            if (op_index / 300) % 2 == 0 {
+                c.corrupt_one_state(&model).await;
+            } else {
+                c.start_with_an_empty_region(&model).await;
+            }
+        }
     }
 
     c.restart(None).await;
@@ -376,13 +492,19 @@ async fn survives_sigkill_at_random_moments_and_fault_points() {
     files.sort();
     assert_eq!(files, want, "region files match the surviving volumes");
     println!(
-        "crash test: {OPERATIONS} operations, {} SIGKILLs ({} at fault points), {} restarts, {} volumes left",
+        "crash test: {OPERATIONS} operations, {} SIGKILLs ({} at fault points), {} restarts, {} corrupt-state or empty-region starts, {} volumes left",
         c.kills,
         c.fault_kills,
         c.restarts,
+        c.disturbances,
         want.len()
     );
     assert!(c.kills >= MIN_KILLS, "only {} kills", c.kills);
+    assert!(
+        c.disturbances >= 6,
+        "only {} corrupt-state or empty-region starts",
+        c.disturbances
+    );
     for id in &want {
         c.controller
             .delete_volume(DeleteVolumeRequest {
