@@ -354,6 +354,64 @@ async fn volumes_outlive_a_change_of_device_mode() {
     assert!(backend_volumes("direct").is_empty());
 }
 
+/// A published raw block volume is a bind mount of its device node, which holds no exclusive
+/// open of the device: DeleteVolume must still see it in use and refuse before anything is
+/// zeroed (before the mount-table check, lvm and direct scrubbed it, then failed to remove it).
+#[tokio::test]
+#[ignore = "in the QEMU guest: just vm-test"]
+async fn a_published_raw_block_volume_is_never_scrubbed() {
+    use std::io::{Read, Seek, SeekFrom, Write};
+    for mode in ["lvm", "direct"] {
+        reset_pmem();
+        let mut h = harness(mode, &[]).await;
+        let id = h.create("raw", (64 * MI) as i64, &[]).await.volume_id;
+        h.stage(&id, block()).await.expect("stage");
+        let target = h.path("raw-target");
+        h.publish(&id, &target, block(), false, &[])
+            .await
+            .expect("publish");
+        {
+            let mut device = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&target)
+                .expect("open the published device");
+            device.write_all(b"precious").expect("write");
+            device.sync_all().expect("sync");
+        }
+        let err = h
+            .controller
+            .delete_volume(driver::csi::DeleteVolumeRequest {
+                volume_id: id.clone(),
+                ..Default::default()
+            })
+            .await
+            .expect_err("in use");
+        assert_eq!(
+            err.code(),
+            Code::FailedPrecondition,
+            "{mode}: {}",
+            err.message()
+        );
+        assert!(
+            err.message().contains("in use"),
+            "{mode}: {}",
+            err.message()
+        );
+        let mut head = [0u8; 8];
+        let mut device = std::fs::File::open(&target).expect("open");
+        device.seek(SeekFrom::Start(0)).expect("seek");
+        device.read_exact(&mut head).expect("read");
+        assert_eq!(&head, b"precious", "{mode}: the volume was zeroed");
+        drop(device);
+        h.unpublish(&id, &target).await;
+        h.unstage(&id).await;
+        h.delete(&id).await;
+        h.finish().await;
+        assert!(backend_volumes(mode).is_empty(), "{mode}");
+    }
+}
+
 /// The repository's test data, where PMEM-CSI 1.0's layouts are scripted.
 fn testdata(path: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

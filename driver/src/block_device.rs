@@ -10,9 +10,37 @@ use rustix::fs::{Mode, OFlags};
 
 use crate::backend::BackendError;
 
-/// Opens `device` for writing with `O_EXCL`, which for a block device fails with `EBUSY` while
-/// it is mounted or claimed by another exclusive opener.
+/// Whether `device` is in use in a way an exclusive open does not see: the device node
+/// bind-mounted somewhere (a published raw block volume: a bind mount holds no open of the
+/// block device), a file system on it, or a device stacked on it (its `holders` in sysfs).
+pub fn in_use(device: &Path) -> Result<bool, BackendError> {
+    let table = crate::mounts::table().map_err(|e| BackendError::io("reading", "mountinfo", e))?;
+    if table.iter().any(|m| m.shows_device(device)) {
+        return Ok(true);
+    }
+    let Some(rdev) = crate::mounts::block_device_number(device) else {
+        return Ok(false);
+    };
+    let holders = Path::new("/sys/dev/block")
+        .join(format!(
+            "{}:{}",
+            rustix::fs::major(rdev),
+            rustix::fs::minor(rdev)
+        ))
+        .join("holders");
+    Ok(std::fs::read_dir(holders).is_ok_and(|mut d| d.next().is_some()))
+}
+
+/// Claims `device` for writing: refused while [`in_use`], then opened with `O_EXCL`, which for
+/// a block device fails with `EBUSY` while it is mounted or claimed by another exclusive opener.
 pub fn claim(id: &str, device: &Path) -> Result<File, BackendError> {
+    let busy = || BackendError::InUse {
+        id: id.to_string(),
+        device: device.display().to_string(),
+    };
+    if in_use(device)? {
+        return Err(busy());
+    }
     let fd: OwnedFd = rustix::fs::open(
         device,
         OFlags::WRONLY | OFlags::EXCL | OFlags::CLOEXEC,
@@ -20,10 +48,7 @@ pub fn claim(id: &str, device: &Path) -> Result<File, BackendError> {
     )
     .map_err(|e| {
         if e == rustix::io::Errno::BUSY {
-            BackendError::InUse {
-                id: id.to_string(),
-                device: device.display().to_string(),
-            }
+            busy()
         } else {
             BackendError::io("opening", device.display(), e)
         }

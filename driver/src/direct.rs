@@ -141,7 +141,15 @@ impl Direct {
         let regions = Self::regions()?;
         if let Some(ns) = Self::find(&regions, id) {
             if ns.size >= size && ns.mode == mode {
-                return Ok(());
+                // Adopted by a retried create: scrubbed as a new one would be (see lvm.rs).
+                let Some(device) = ns.device() else {
+                    return Err(BackendError::io(
+                        "creating",
+                        format!("namespace {id}"),
+                        "it has no block device",
+                    ));
+                };
+                return block_device::scrub(id, Path::new(&device), size, false);
             }
             return Err(BackendError::io(
                 "creating",

@@ -382,7 +382,9 @@ impl Backend for Lvm {
         let _guard = self.lock();
         if let Some(lv) = self.volume(id)? {
             if lv.size == size {
-                return Ok(());
+                // Left by a create that failed or was cut short before its scrub, and adopted
+                // by the retry: its extents may still show an old volume's file system.
+                return block_device::scrub(id, &lv.path, size, false);
             }
             return Err(BackendError::io(
                 "creating",

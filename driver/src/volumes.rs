@@ -532,9 +532,11 @@ impl Volumes {
         let backend = self.backend_of(id)?;
         blocking(|| {
             self.state.mark_pending(id, true)?;
-            backend
-                .delete(id, stored.erase_after())
-                .map_err(|e| VolumeError::backend(id, e))?;
+            if let Err(e) = backend.delete(id, stored.erase_after()) {
+                // The volume lives on (in use, say): no marker may suggest otherwise.
+                let _ = self.state.clear_pending(id);
+                return Err(VolumeError::backend(id, e));
+            }
             crate::faults::point("before-state-removal");
             self.state.remove(id)?;
             self.state.clear_pending(id).map_err(VolumeError::from)
