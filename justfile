@@ -27,6 +27,22 @@ tools: ensure
 node-tools: ensure
     bash tools/node-tools.sh
 
+# A real two-node cluster on this machine (kubelet, containerd and kube-proxy per node, each node
+# in its own mount and network namespace), its smoke test, then everything removed; fails if the
+# test fails or anything is left behind (tools/real-nodes.sh).
+real-nodes-smoke: node-tools
+    rc=0; { bash tools/real-nodes.sh start && bash tools/real-nodes.sh smoke; } || rc=$?; bash tools/real-nodes.sh stop || rc=1; exit $rc
+
+# pmem-csi as users run it, on real nodes: the real-node cluster and its smoke test, then the
+# image (image-oci), the sidecar images and `kubectl apply -k` of the emulated overlay with the
+# scheduler-extender component (only images: overridden), every rollout, and `verify` (CSINode
+# through kubelet's plugin watcher, webhook, a claim written and read back by busybox pods, raw
+# block, inline and generic ephemeral volumes, clean-up); everything removed at the end.
+e2e-node: node-tools image-oci
+    cargo build -p testenv --bin registrar
+    bash tools/real-nodes.sh images
+    rc=0; { bash tools/real-nodes.sh start && bash tools/real-nodes.sh smoke && bash tools/real-nodes.sh deploy && bash tools/real-nodes.sh verify; } || rc=$?; bash tools/real-nodes.sh stop || rc=1; exit $rc
+
 # Rebuild the tools from empty Go caches and print per-tool times.
 tools-cold:
     bash tools/build.sh --cold

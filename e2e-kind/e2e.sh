@@ -48,13 +48,15 @@ if ! KUBECONFIG=$kubeconfig kubectl -n kube-system get pods -l component=kube-sc
     exit 1
 fi
 
+# Relative: kustomize refuses an absolute directory ("new root '/...' cannot be absolute").
+manifests=$(realpath --relative-to="$work" "$repo/manifests")
 cat >"$work/kustomization.yaml" <<YAML
 apiVersion: kustomize.config.k8s.io/v1beta1
 kind: Kustomization
 resources:
-  - $repo/manifests/overlays/emulated
+  - $manifests/overlays/emulated
 components:
-  - $repo/manifests/components/scheduler-extender
+  - $manifests/components/scheduler-extender
 images:
   - name: ghcr.io/pmem-csi/pmem-csi
     newName: ${image%:*}

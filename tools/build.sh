@@ -5,7 +5,7 @@
 #
 # usage: tools/build.sh [--cold] [--with-kubelet] [--print-dir]
 #   --cold          empty the tool, module and build caches first and print per-tool times
-#   --with-kubelet  also build kubelet (for real nodes, tools/node-tools.sh), from the same module
+#   --with-kubelet  also build kubelet and kube-proxy (for real nodes, tools/node-tools.sh), from the same module
 #                   as kube-apiserver so that it reuses the packages compiled for the control plane
 #   --print-dir     print the directory holding the binaries and exit
 set -euo pipefail
@@ -140,7 +140,7 @@ build_sanity() {
 }
 
 k8s_cmds=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
-if $with_kubelet; then k8s_cmds+=(kubelet); fi
+if $with_kubelet; then k8s_cmds+=(kubelet kube-proxy); fi
 want=(etcd "${k8s_cmds[@]}" csi-provisioner csi-sanity)
 missing=()
 for t in "${want[@]}"; do [[ -x $bin/$t ]] || missing+=("$t"); done

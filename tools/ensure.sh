@@ -32,6 +32,11 @@ PROGRAMS=(
     "git git"
     "dpkg-deb dpkg"
     "openssl openssl"
+    "curl curl"
+    "python3 python3"
+    "nft nftables"
+    "strip binutils"
+    "gcc gcc"
 )
 # Only on the lvm and direct modes' hosts (the QEMU guest's image carries them): listed so that
 # the driver's table is covered, not installed here.

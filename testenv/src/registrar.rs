@@ -206,10 +206,7 @@ pub async fn serve(
     };
     let served = tonic::transport::Server::builder()
         .add_service(api::registration_server::RegistrationServer::new(service))
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::UnixListenerStream::new(listener),
-            until,
-        )
+        .serve_with_incoming_shutdown(authority_fixed(listener), until)
         .await;
     let _ = std::fs::remove_file(&socket);
     served?;
@@ -225,6 +222,173 @@ pub async fn serve(
         });
     }
     Ok(())
+}
+
+/// kubelet's plugin watcher dials the registration socket with its bare path as the gRPC target
+/// (pkg/kubelet/pluginmanager/operationexecutor/operation_generator.go `dial`, unlike its CSI
+/// client, which sets `grpc.WithAuthority("localhost")`), so grpc-go sends that path as
+/// `:authority`. h2 refuses it ("malformed authority") with RST_STREAM PROTOCOL_ERROR, and
+/// kubelet never registers the driver. Each accepted connection therefore passes through a pump
+/// that rewrites the `:authority` of every HEADERS frame to `localhost` before tonic reads it.
+fn authority_fixed(
+    listener: tokio::net::UnixListener,
+) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<tokio::io::DuplexStream>> {
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tokio::spawn(async move {
+        loop {
+            let accepted = tokio::select! {
+                () = tx.closed() => return,
+                accepted = listener.accept() => accepted,
+            };
+            let (unix, _) = match accepted {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    let _ = tx.send(Err(e)).await;
+                    continue;
+                }
+            };
+            let (ours, theirs) = tokio::io::duplex(64 * 1024);
+            if tx.send(Ok(theirs)).await.is_err() {
+                return;
+            }
+            tokio::spawn(async move {
+                let (mut unix_read, mut unix_write) = unix.into_split();
+                let (mut duplex_read, mut duplex_write) = tokio::io::split(ours);
+                let inbound = async {
+                    let result = rewrite_authority(&mut unix_read, &mut duplex_write).await;
+                    let _ = duplex_write.shutdown().await;
+                    result
+                };
+                let outbound = async {
+                    let result = tokio::io::copy(&mut duplex_read, &mut unix_write).await;
+                    let _ = unix_write.shutdown().await;
+                    result.map(|_| ())
+                };
+                let _ = tokio::join!(inbound, outbound);
+            });
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
+/// Copies an HTTP/2 client stream frame by frame, re-encoding `:authority` (static table index
+/// 1, any literal representation) in HEADERS frames that carry a whole header block.
+async fn rewrite_authority<R, W>(from: &mut R, to: &mut W) -> std::io::Result<()>
+where
+    R: tokio::io::AsyncRead + Unpin,
+    W: tokio::io::AsyncWrite + Unpin,
+{
+    let mut preface = [0u8; 24];
+    from.read_exact(&mut preface).await?;
+    to.write_all(&preface).await?;
+    loop {
+        let mut head = [0u8; 9];
+        match from.read_exact(&mut head).await {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+        let mut payload = vec![0u8; len];
+        from.read_exact(&mut payload).await?;
+        // HEADERS with END_HEADERS
+        if head[3] == 0x1
+            && head[4] & 0x4 != 0
+            && let Some(fixed) = fixed_headers(head[4], &payload)
+        {
+            let n = fixed.len() as u32;
+            head[..3].copy_from_slice(&n.to_be_bytes()[1..]);
+            payload = fixed;
+        }
+        to.write_all(&head).await?;
+        to.write_all(&payload).await?;
+    }
+}
+
+/// HPACK integer with an `n`-bit prefix at `block[*at]`.
+fn hpack_int(block: &[u8], at: &mut usize, n: u8) -> Option<usize> {
+    let max = (1usize << n) - 1;
+    let mut value = (*block.get(*at)? as usize) & max;
+    *at += 1;
+    if value < max {
+        return Some(value);
+    }
+    let mut shift = 0;
+    loop {
+        let b = *block.get(*at)?;
+        *at += 1;
+        value += ((b & 0x7f) as usize) << shift;
+        shift += 7;
+        if b & 0x80 == 0 || shift > 28 {
+            return Some(value);
+        }
+    }
+}
+
+/// The HEADERS payload with `:authority` replaced by `localhost`; None when it has none (or
+/// cannot be parsed: then it passes unchanged).
+fn fixed_headers(flags: u8, payload: &[u8]) -> Option<Vec<u8>> {
+    let mut start = 0;
+    let mut end = payload.len();
+    if flags & 0x8 != 0 {
+        // PADDED
+        end = end.checked_sub(*payload.first()? as usize)?;
+        start += 1;
+    }
+    if flags & 0x20 != 0 {
+        // PRIORITY
+        start += 5;
+    }
+    let block = payload.get(start..end)?;
+    let mut at = 0;
+    let mut out = Vec::with_capacity(block.len());
+    let mut changed = false;
+    while at < block.len() {
+        let first = at;
+        let b = block[at];
+        if b & 0x80 != 0 {
+            hpack_int(block, &mut at, 7)?;
+            out.extend_from_slice(&block[first..at]);
+            continue;
+        }
+        if b & 0xe0 == 0x20 {
+            hpack_int(block, &mut at, 5)?;
+            out.extend_from_slice(&block[first..at]);
+            continue;
+        }
+        let prefix = if b & 0xc0 == 0x40 { 6 } else { 4 };
+        let index = hpack_int(block, &mut at, prefix)?;
+        if index == 0 {
+            let name_len = hpack_int(block, &mut at, 7)?;
+            at = at.checked_add(name_len)?;
+        }
+        let name_end = at;
+        let value_len = hpack_int(block, &mut at, 7)?;
+        at = at.checked_add(value_len)?;
+        if at > block.len() {
+            return None;
+        }
+        out.extend_from_slice(&block[first..name_end]);
+        if index == 1 {
+            out.push(9);
+            out.extend_from_slice(b"localhost");
+            changed = true;
+        } else {
+            out.extend_from_slice(&block[name_end..at]);
+        }
+    }
+    if !changed {
+        return None;
+    }
+    let mut fixed = Vec::with_capacity(start + out.len());
+    if flags & 0x8 != 0 {
+        fixed.push(0); // padding dropped
+        fixed.extend_from_slice(&payload[1..start]);
+    } else {
+        fixed.extend_from_slice(&payload[..start]);
+    }
+    fixed.extend_from_slice(&out);
+    Some(fixed)
 }
 
 /// `/healthz`: 200 while the registration socket exists, 503 once it is gone.
