@@ -831,6 +831,11 @@ EOF
   # The pod webhook (called by the apiserver through its Service) asked for the extender's resource.
   [[ $($KUBECTL get pod writer -o jsonpath='{.spec.containers[0].resources.requests}') == *pmem-csi.intel.com/scheduler* ]] ||
     die "the pod webhook did not mutate pod writer"
+  # kube-scheduler asked the extender (on node-1, through the shipped scheduler configuration).
+  out=$(curl -sf "http://$(node_ip "$EXTENDER_NODE"):10012/metrics") || die "no extender metrics"
+  grep -qE '^pmem_csi_extender_requests_total\{route="filter",code="200"\} [1-9]' <<<"$out" ||
+    die "kube-scheduler did not call the extender's /filter: $(grep '^pmem_csi_extender_requests_total' <<<"$out")"
+  log "the pod webhook mutated the writer (through its Service) and kube-scheduler called the extender"
   local node pod
   node=$($KUBECTL get pod writer -o jsonpath='{.spec.nodeName}')
   $KUBECTL delete pod writer --wait=true >/dev/null
