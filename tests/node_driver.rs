@@ -362,17 +362,8 @@ async fn start_up_repair_never_destroys_data() {
     );
     assert_eq!(digest(&stray), stray_digest, "the stray device changed");
     assert!(h.volume_ids().await.is_empty());
-    let client =
-        testenv::control_plane::anonymous_probe(&format!("http://127.0.0.1:{port}"), "metrics")
-            .expect("client");
-    let text = client
-        .request_text(
-            http::Request::get("/metrics")
-                .body(Vec::new())
-                .expect("request"),
-        )
-        .await
-        .expect("scrape");
+    let text = testenv::objects::scrape_metrics(port).await;
+    assert!(!text.is_empty(), "scrape /metrics");
     for line in [
         "pmem_csi_unrecorded_devices{node=\"node-1\",driver_name=\"pmem-csi.intel.com\"} 1",
         "pmem_csi_quarantined_volumes{node=\"node-1\",driver_name=\"pmem-csi.intel.com\"} 1",
