@@ -35,13 +35,15 @@ real-nodes-smoke: node-tools
 
 # pmem-csi as users run it, on real nodes: the real-node cluster and its smoke test, then the
 # image (image-oci), the sidecar images and `kubectl apply -k` of the emulated overlay with the
-# scheduler-extender component (only images: overridden), every rollout, and `verify` (CSINode
-# through kubelet's plugin watcher, webhook, a claim written and read back by busybox pods, raw
-# block, inline and generic ephemeral volumes, clean-up); everything removed at the end.
+# scheduler-extender component (only images: overridden), every rollout, `verify` (CSINode
+# through kubelet's plugin watcher, webhook, extender, a claim written and read back by busybox
+# pods, raw block, inline and generic ephemeral volumes, clean-up), then the e2e scenarios in
+# cluster mode as kind runs them (tools/cluster-e2e.sh); everything removed at the end.
 e2e-node: node-tools image-oci
     cargo build -p testenv --bin registrar
+    cargo test -p e2e --test scenarios --no-run
     bash tools/real-nodes.sh images
-    rc=0; { bash tools/real-nodes.sh start && bash tools/real-nodes.sh smoke && bash tools/real-nodes.sh deploy && bash tools/real-nodes.sh verify; } || rc=$?; bash tools/real-nodes.sh stop || rc=1; exit $rc
+    rc=0; { bash tools/real-nodes.sh start && bash tools/real-nodes.sh smoke && bash tools/real-nodes.sh deploy && bash tools/real-nodes.sh verify && bash tools/real-nodes.sh scenarios; } || rc=$?; bash tools/real-nodes.sh stop || rc=1; exit $rc
 
 # Rebuild the tools from empty Go caches and print per-tool times.
 tools-cold:

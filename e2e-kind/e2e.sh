@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # `just e2e`: the e2e scenarios against a kind cluster (needs Docker and kind; not on CI machines).
-# Builds the image from `just image-rootfs`'s tree, creates the cluster from kind-config.yaml,
-# loads the image, deploys overlays/emulated + the scheduler-extender component, waits for it,
-# runs the e2e crate against the cluster's KUBECONFIG, collects logs if that fails, and deletes
+# Builds the image from `just image-rootfs`'s tree, creates the cluster from kind-config.yaml and
+# loads the image; then the steps real nodes share (tools/cluster-e2e.sh): deploys
+# overlays/emulated + the scheduler-extender component, waits for every rollout, runs the e2e
+# crate against the cluster's KUBECONFIG and collects logs if that fails (kind's too); deletes
 # the cluster (kept with KEEP_CLUSTER=1).
 set -euo pipefail
 
@@ -48,35 +49,11 @@ if ! KUBECONFIG=$kubeconfig kubectl -n kube-system get pods -l component=kube-sc
     exit 1
 fi
 
-# Relative: kustomize refuses an absolute directory ("new root '/...' cannot be absolute").
-manifests=$(realpath --relative-to="$work" "$repo/manifests")
-cat >"$work/kustomization.yaml" <<YAML
-apiVersion: kustomize.config.k8s.io/v1beta1
-kind: Kustomization
-resources:
-  - $manifests/overlays/emulated
-components:
-  - $manifests/components/scheduler-extender
-images:
-  - name: ghcr.io/pmem-csi/pmem-csi
-    newName: ${image%:*}
-    newTag: ${image##*:}
-YAML
 export KUBECONFIG=$kubeconfig
-kubectl apply -k "$work"
-kubectl -n pmem-csi rollout status daemonset/pmem-csi-intel-com-node --timeout=300s
-kubectl -n pmem-csi rollout status deployment/pmem-csi-intel-com-controller --timeout=300s
-kubectl -n pmem-csi rollout status daemonset/pmem-csi-intel-com-extender --timeout=300s
+bash "$repo/tools/cluster-e2e.sh" deploy "$work/deploy" "ghcr.io/pmem-csi/pmem-csi=$image"
 
-if ! (cd "$repo" && cargo test -p e2e --test scenarios -- --test-threads=1 --nocapture); then
-    logs=${LOGS_DIR:-$repo/target/e2e-kind-logs}
-    mkdir -p "$logs"
+logs=${LOGS_DIR:-$target/e2e-kind-logs}
+if ! bash "$repo/tools/cluster-e2e.sh" scenarios "$logs"; then
     kind export logs --name "$cluster" "$logs/kind" || true
-    kubectl get all,pvc,pv,csistoragecapacities -A -o wide >"$logs/objects.txt" 2>&1 || true
-    kubectl get events -A --sort-by=.lastTimestamp >"$logs/events.txt" 2>&1 || true
-    for pod in $(kubectl -n pmem-csi get pods -o name); do
-        kubectl -n pmem-csi logs --all-containers --prefix "$pod" >"$logs/${pod#pod/}.log" 2>&1 || true
-    done
-    echo "e2e: failed; logs in $logs" >&2
     exit 1
 fi

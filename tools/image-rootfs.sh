@@ -44,30 +44,13 @@ done
 install -D -m 0755 "$binary" "$out/usr/local/bin/pmem-csi"
 
 # Each ELF gets the libraries the dynamic loader resolves for it here (same release), the
-# loader included, at the paths it resolved them to.
-# ldd searches the tree's library directories first: a library unpacked there (libndctl6, …) is
-# then followed to its own dependencies even when the build host has not installed it, which a
-# fresh machine showed (libcrypto.so.3, needed by libkmod through libndctl, was left out). A
-# library found nowhere stops the build instead of shipping an image whose tools cannot start.
-tree_libs=$out/lib/x86_64-linux-gnu:$out/usr/lib/x86_64-linux-gnu
-copy_libraries() {
-    local listing
-    listing=$(LD_LIBRARY_PATH=$tree_libs ldd "$1")
-    if grep -q 'not found' <<<"$listing"; then
-        echo "image-rootfs: $1 needs libraries neither the packages nor this host provide:" >&2
-        grep 'not found' <<<"$listing" >&2
-        exit 1
-    fi
-    awk '/=> \// { print $3 } /^\t\/[^ ]+ \(/ { print $1 }' <<<"$listing" | while read -r lib; do
-        # Resolved inside the tree: already there.
-        [[ $lib == "$out"/* ]] && continue
-        [[ -e $out$lib ]] || cp -L --parents "$lib" "$out"
-    done
-}
-copy_libraries "$out/usr/local/bin/pmem-csi"
+# loader included, at the paths it resolved them to (tools/libraries.sh: the tree first).
+# shellcheck source=tools/libraries.sh
+source "$(dirname "${BASH_SOURCE[0]}")/libraries.sh"
+copy_libraries "$out/usr/local/bin/pmem-csi" "$out"
 for tool in "${tools[@]}"; do
     [[ -x $out/$tool ]] || { echo "image-rootfs: $tool missing from ${packages[*]}" >&2; exit 1; }
-    copy_libraries "$out/$tool"
+    copy_libraries "$out/$tool" "$out"
 done
 # Documentation and maintainer files are of no use at run time.
 rm -rf "$out/usr/share/doc" "$out/usr/share/man" "$out/usr/share/lintian" "$out/usr/share/locale"

@@ -18,7 +18,8 @@
 #            Pod network: CNI bridge cni0 in the node netns, pods in 10.214.N.0/24; the host routes
 #            10.214.N.0/24 via the node IP so the apiserver reaches pod IPs.
 #
-# usage: tools/real-nodes.sh images | start | smoke | deploy | verify | status | stop | leftovers
+# usage: tools/real-nodes.sh images | start | smoke | deploy | verify | scenarios | status | stop |
+#                            leftovers
 #   images     the sidecar images as OCI archives (csi-provisioner from its static binary, the test
 #              registrar of testenv with node-driver-registrar's flags), beside `just image-oci`'s
 #   start      build PKI, start control plane and both nodes, wait until the nodes are Ready
@@ -38,6 +39,8 @@
 #              webhook mutated a pod through its Service, a late-binding claim written by one
 #              busybox pod is read by a second, kubelet made the Node* calls, raw block, CSI inline
 #              and generic ephemeral volumes work, and deleting it all leaves no PV and no volume
+#   scenarios  the e2e crate in cluster mode against this cluster (tools/cluster-e2e.sh, as kind
+#              runs it), then no volume left on any node
 #   status     show processes, nodes, pods
 #   stop       remove everything: processes, mounts, netns, links, routes, cgroups, files under
 #              /run, then fail if anything is left (the same check as `leftovers`)
@@ -669,6 +672,8 @@ EXTENDER_PORT=10013
 
 # shellcheck source=tools/oci-archive.sh
 source "$here/oci-archive.sh"
+# shellcheck source=tools/libraries.sh
+source "$here/libraries.sh"
 
 images() {
   mkdir -p "$IMAGES_DIR"
@@ -681,13 +686,11 @@ images() {
     "$IMAGES_DIR/csi-provisioner.oci.tar"
   # The registrar (testenv/src/registrar.rs; node-driver-registrar is not served by the Go module
   # proxy): the debug build, stripped, with the libraries and loader ldd resolves.
-  local reg=$TARGET/debug/registrar lib
+  local reg=$TARGET/debug/registrar
   [[ -x $reg ]] || die "$reg missing: cargo build -p testenv --bin registrar"
   mkdir -p "$work/reg/tmp"; chmod 1777 "$work/reg/tmp"
   strip -o "$work/reg/registrar" "$reg"
-  ldd "$reg" | awk '/=> \// { print $3 } /^\t\/[^ ]+ \(/ { print $1 }' | while read -r lib; do
-    cp -L --parents "$lib" "$work/reg"
-  done
+  copy_libraries "$reg" "$work/reg" || die "libraries of the registrar"
   oci_archive "$work/reg" "$REGISTRAR_IMAGE" '{"Entrypoint":["/registrar"]}' \
     "$IMAGES_DIR/registrar.oci.tar"
   rm -rf "$work"
@@ -728,32 +731,6 @@ scheduler_with_extender() {
   wait_for 60 "kube-scheduler with the extender config" curl -skf "https://$HOST_IP:10259/readyz"
 }
 
-# What a user writes: the overlay and the component straight from the repository (relative
-# paths: kustomize refuses an absolute directory, "new root ... cannot be absolute"), only the
-# image names changed (imported, not pulled).
-kustomization() { # <dir>
-  local dir=$1 rel
-  rel=$(realpath --relative-to="$dir" "$REPO/manifests")
-  cat >"$dir/kustomization.yaml" <<EOF
-apiVersion: kustomize.config.k8s.io/v1beta1
-kind: Kustomization
-resources:
-  - $rel/overlays/emulated
-components:
-  - $rel/components/scheduler-extender
-images:
-  - name: ghcr.io/pmem-csi/pmem-csi
-    newName: localhost/pmem-csi
-    newTag: dev
-  - name: registry.k8s.io/sig-storage/csi-provisioner
-    newName: ${PROVISIONER_IMAGE%:*}
-    newTag: ${PROVISIONER_IMAGE##*:}
-  - name: registry.k8s.io/sig-storage/csi-node-driver-registrar
-    newName: ${REGISTRAR_IMAGE%:*}
-    newTag: ${REGISTRAR_IMAGE##*:}
-EOF
-}
-
 deploy() {
   local t0=$SECONDS t n a
   for a in "${DEPLOY_ARCHIVES[@]}"; do [[ -f $a ]] || die "missing image archive $a"; done
@@ -768,15 +745,14 @@ deploy() {
   $KUBECTL label node "$EXTENDER_NODE" node-role.kubernetes.io/control-plane= --overwrite >/dev/null
   extender_dnat "$EXTENDER_NODE"
   scheduler_with_extender
-  mkdir -p "$S/deploy"
-  kustomization "$S/deploy"
   t=$SECONDS
-  $KUBECTL apply -k "$S/deploy" >/dev/null
-  local w
-  for w in daemonset/pmem-csi-intel-com-node deployment/pmem-csi-intel-com-controller \
-           daemonset/pmem-csi-intel-com-extender; do
-    $KUBECTL -n pmem-csi rollout status "$w" --timeout=300s >/dev/null || die "rollout of $w"
-  done
+  # What a user writes (tools/cluster-e2e.sh, shared with kind): only the images are changed,
+  # imported instead of pulled.
+  KUBECTL=$KUBECTL bash "$here/cluster-e2e.sh" deploy "$S/deploy" \
+    ghcr.io/pmem-csi/pmem-csi=localhost/pmem-csi:dev \
+    "registry.k8s.io/sig-storage/csi-provisioner=$PROVISIONER_IMAGE" \
+    "registry.k8s.io/sig-storage/csi-node-driver-registrar=$REGISTRAR_IMAGE" ||
+    die "deploying pmem-csi"
   log "pmem-csi: all rollouts done $((SECONDS - t))s after apply ($((SECONDS - t0))s with imports)"
 }
 
@@ -874,6 +850,21 @@ EOF
     [[ -z $out ]] || die "volumes left on $n: $out"
   done
   log "verify passed in $((SECONDS - t0))s"
+}
+
+# The e2e crate in cluster mode (tools/cluster-e2e.sh, shared with kind) against this cluster,
+# its pods on the imported busybox; then no volume file is left on any node.
+scenarios() {
+  local t0=$SECONDS n out
+  KUBECONFIG=$S/pki/admin.kubeconfig KUBECTL=$KUBECTL PMEM_CSI_E2E_IMAGE=$BUSYBOX_IMAGE \
+    bash "$here/cluster-e2e.sh" scenarios "$TOP/logs/scenarios" ||
+    die "e2e scenarios failed (kubelet and containerd logs: $TOP/logs/last-run after stop)"
+  wait_for 90 "every PV gone" no_pvs
+  for n in "${NODES[@]}"; do
+    out=$(in_node "$n" find /var/lib/pmem-csi-emulated /var/lib/pmem-csi.intel.com -type f)
+    [[ -z $out ]] || die "volumes left on $n after the scenarios: $out"
+  done
+  log "e2e scenarios passed in $((SECONDS - t0))s; no volume left on any node"
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -1037,6 +1028,7 @@ case ${1:-} in
   smoke) smoke ;;
   deploy) deploy ;;
   verify) verify ;;
+  scenarios) scenarios ;;
   status) status ;;
   stop) stop ;;
   leftovers) leftovers ;;

@@ -32,6 +32,16 @@ pub const CLASS_NO_ERASE: &str = "pmem-csi-sc-ext4-no-erase";
 pub const WAIT: Duration = Duration::from_secs(120);
 /// Mebibytes.
 pub const MI: i64 = 1 << 20;
+/// The environment variable naming the workload image of the pods (real clusters pull or have
+/// imported it; testenv's simulated kubelet never runs it).
+pub const IMAGE_VAR: &str = "PMEM_CSI_E2E_IMAGE";
+/// The workload image when [`IMAGE_VAR`] is unset.
+pub const DEFAULT_IMAGE: &str = "docker.io/library/busybox:1.37";
+
+/// The workload image of the scenarios' pods: a busybox with `sh`, `cat`, `grep` and `sleep`.
+pub fn image() -> String {
+    std::env::var(IMAGE_VAR).unwrap_or_else(|_| DEFAULT_IMAGE.to_string())
+}
 
 /// PMEM budget of the testenv nodes: different per node, so placement by capacity shows.
 pub const BUDGETS: [(&str, i64); 3] = [("node-1", 512), ("node-2", 768), ("node-3", 1024)];
@@ -296,6 +306,32 @@ impl Scenario {
         Ok((running, pv))
     }
 
+    /// The output of pod `name`'s script ([`with_script`]), once its container is Ready (real
+    /// clusters only: testenv's simulated kubelet runs no containers).
+    pub async fn output(&self, name: &str) -> Result<String, E2eError> {
+        until(
+            &format!("pod {name}'s container to be Ready"),
+            WAIT,
+            || async {
+                let pod = self.pods.get(name).await.map_err(|e| e.to_string())?;
+                let statuses = pod
+                    .status
+                    .and_then(|s| s.container_statuses)
+                    .unwrap_or_default();
+                match statuses.first() {
+                    Some(c) if c.ready && c.restart_count == 0 => Ok(()),
+                    Some(c) => Err(format!("ready {}, {} restarts", c.ready, c.restart_count)),
+                    None => Err("no container status".into()),
+                }
+            },
+        )
+        .await?;
+        self.pods
+            .logs(name, &Default::default())
+            .await
+            .map_err(api(format!("reading the log of pod {name}")))
+    }
+
     /// Waits until pod `name` is Running; returns it.
     pub async fn running(&self, name: &str) -> Result<Pod, E2eError> {
         Ok(until(&format!("pod {name} to run"), WAIT, || async {
@@ -515,7 +551,7 @@ pub fn pod(
         spec: Some(PodSpec {
             containers: vec![Container {
                 name: "app".into(),
-                image: Some("docker.io/library/busybox:1.37".into()),
+                image: Some(image()),
                 command: Some(vec!["sleep".into(), "1000000".into()]),
                 volume_mounts: (!mounts.is_empty()).then_some(mounts),
                 volume_devices: (!devices.is_empty()).then_some(devices),
@@ -527,6 +563,20 @@ pub fn pod(
         }),
         ..Default::default()
     }
+}
+
+/// `pod` whose container runs the shell `script` first and then sleeps; a script that fails
+/// ends the container (the pod never becomes Ready), so [`Scenario::output`] only ever sees the
+/// output of a script that succeeded.
+pub fn with_script(mut pod: Pod, script: &str) -> Pod {
+    if let Some(container) = pod.spec.as_mut().and_then(|s| s.containers.first_mut()) {
+        container.command = Some(vec![
+            "sh".into(),
+            "-c".into(),
+            format!("{script} && exec sleep 1000000"),
+        ]);
+    }
+    pod
 }
 
 /// A pod volume using claim `claim`.
@@ -584,6 +634,24 @@ pub fn generic_ephemeral_volume(
     }
 }
 
+/// The volume size (bytes) for a burst of `pods` volumes that exceeds every one of `budgets`
+/// (bytes per node) together but fits all of them under any greedy placement: the smallest
+/// multiple of 4 MiB, at least 64 MiB, that divides every budget (so no node is left with a
+/// useless remainder) with `pods` of them more than the largest budget and at most the total.
+pub fn burst_size(budgets: &[i64], pods: i64) -> Option<i64> {
+    const ALIGN: i64 = 4 * MI;
+    let largest = budgets.iter().copied().max()?;
+    let total: i64 = budgets.iter().sum();
+    (64 * MI..=largest)
+        .step_by(usize::try_from(ALIGN).ok()?)
+        .find(|size| {
+            budgets.iter().all(|b| b % size == 0)
+                && pods
+                    .checked_mul(*size)
+                    .is_some_and(|burst| burst > largest && burst <= total)
+        })
+}
+
 /// The node a pod runs on.
 pub fn node_of(pod: &Pod) -> String {
     pod.spec
@@ -609,6 +677,41 @@ pub fn volume_handle(pv: &PersistentVolume) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn burst_sizes() {
+        let cases: [(&[i64], i64, Option<i64>); 6] = [
+            // testenv's budgets: 20 × 64 MiB exceed 1 GiB, fit in 2.25 GiB.
+            (&[512, 768, 1024], 20, Some(64)),
+            // two equal 4 GiB nodes: 20 × 256 MiB = 5 GiB.
+            (&[4096, 4096], 20, Some(256)),
+            // one node: a burst can never exceed it and fit.
+            (&[4096], 20, None),
+            (&[], 20, None),
+            // no common divisor of at least 64 MiB.
+            (&[100, 4096], 20, None),
+            // too few pods to exceed the largest node.
+            (&[512, 512], 1, None),
+        ];
+        for (budgets, pods, want) in cases {
+            let bytes: Vec<i64> = budgets.iter().map(|b| b * MI).collect();
+            assert_eq!(
+                burst_size(&bytes, pods),
+                want.map(|w| w * MI),
+                "{budgets:?} MiB, {pods} pods"
+            );
+        }
+    }
+
+    #[test]
+    fn scripts_run_before_sleeping() {
+        let p = with_script(pod("ns", "app", vec![], &[]), "cat /data0/x");
+        let command = p.spec.expect("spec").containers[0]
+            .command
+            .clone()
+            .expect("command");
+        assert_eq!(command, ["sh", "-c", "cat /data0/x && exec sleep 1000000"]);
+    }
 
     #[test]
     fn pod_builder_mounts_and_maps_devices() {
