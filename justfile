@@ -110,6 +110,12 @@ image-oci: image-rootfs
 e2e: image-rootfs
     bash e2e-kind/e2e.sh
 
+# The driver's fuzz targets (driver/tests/fuzz.rs: state files, ndctl and LVM JSON, CSI
+# requests, parameters, mount options, volume names) with CASES inputs each in a release build
+# (`just test` runs 300 each); prints executions and outcomes per target.
+fuzz CASES="200000":
+    PMEM_CSI_FUZZ_CASES={{CASES}} cargo test --release -p driver --test fuzz -- --nocapture
+
 # Full benchmarks; results into bench/results/, rendered into BENCHMARKS.md.
 bench: tools
     cargo build --release --workspace --bins

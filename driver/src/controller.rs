@@ -76,6 +76,13 @@ impl Controller for ControllerService {
         if r.name.is_empty() {
             return Err(VolumeError::Missing("name").into());
         }
+        if let Some(reason) = crate::volume_id::name_problem(&r.name) {
+            return Err(VolumeError::Invalid {
+                field: "name",
+                reason,
+            }
+            .into());
+        }
         access_all(&r.volume_capabilities)?;
         if r.volume_content_source.is_some() {
             return Err(VolumeError::Invalid {

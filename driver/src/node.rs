@@ -179,6 +179,13 @@ impl NodeService {
                 reason: "inline ephemeral volumes must be mounted, not raw block".into(),
             });
         };
+        // An inline volume is named by kubelet's volume handle.
+        if let Some(reason) = crate::volume_id::name_problem(&r.volume_id) {
+            return Err(VolumeError::Invalid {
+                field: "volume_id",
+                reason,
+            });
+        }
         let params = Parameters::parse(
             &r.volume_context.clone().into_iter().collect(),
             Origin::Ephemeral,

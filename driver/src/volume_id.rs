@@ -20,6 +20,33 @@ pub fn volume_id(name: &str) -> String {
     format!("{prefix}-{}", hex::encode(digest))
 }
 
+/// Why a volume named `name` cannot exist, if it cannot. Its ID names a state file and, in the
+/// other modes, an LV or a namespace, so the part of the name the ID keeps must be what LVM
+/// accepts in a volume name (letters, digits, `+`, `_`, `.`, `-`), start with neither `.` (a
+/// hidden state file, or `..`) nor `-`, and hold no `/` or NUL. Names from Kubernetes
+/// (`pvc-<uid>`, kubelet's `csi-<hash>`) always pass; only a hand-made CSI call can fail.
+pub fn name_problem(name: &str) -> Option<String> {
+    if name.is_empty() {
+        return None;
+    }
+    let id = volume_id(name);
+    let prefix = id.rsplit_once('-').map_or("", |(prefix, _)| prefix);
+    let allowed = |c: char| c.is_ascii_alphanumeric() || "+_.-".contains(c);
+    if let Some(bad) = prefix.chars().find(|c| !allowed(*c)) {
+        return Some(format!(
+            "{name:?} cannot name a volume: its first {NAME_PREFIX_BYTES} bytes become part of \
+             the volume ID and may only hold letters, digits, '+', '_', '.' and '-', not {bad:?}"
+        ));
+    }
+    if prefix.starts_with(['.', '-']) {
+        return Some(format!(
+            "{name:?} cannot name a volume: the volume ID starts with its first character, \
+             which must not be '.' or '-'"
+        ));
+    }
+    None
+}
+
 /// Whether `name` has the shape of a volume ID (`<prefix>-<56 hex digits>`): what a backend
 /// sharing its namespace with other users (ndctl namespaces) may treat as its own.
 pub fn looks_like_volume_id(name: &str) -> bool {
@@ -35,6 +62,35 @@ pub fn looks_like_volume_id(name: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn name_problems() {
+        for fine in [
+            "pvc-a63bc7db-3cbd-404d-9c9d-d7b1969cbaa8",
+            "csi-0123abcd",
+            "sanity-node-full-1",
+            "a_b+c.d",
+            // Only the prefix the ID keeps matters.
+            "pvc-12/../x\0é",
+            "",
+        ] {
+            assert_eq!(name_problem(fine), None, "{fine:?}");
+        }
+        for (bad, says) in [
+            (".", "'.' or '-'"),
+            ("..", "'.' or '-'"),
+            (".hidden", "'.' or '-'"),
+            ("-x", "'.' or '-'"),
+            ("a/b", "'/'"),
+            ("../etc", "'/'"),
+            ("a\0b", "'\\0'"),
+            ("pvc ab", "' '"),
+            ("abcdé", "'é'"),
+        ] {
+            let problem = name_problem(bad).unwrap_or_default();
+            assert!(problem.contains(says), "{bad:?}: {problem}");
+        }
+    }
 
     #[test]
     fn volume_id_shapes() {

@@ -42,10 +42,14 @@ pub fn new_volume_size(
     }
     let wanted = if required == 0 { default } else { required };
     let aligned = align_up(wanted, alignment).ok_or_else(|| {
-        VolumeError::OutOfRange(format!("{wanted} bytes cannot be aligned to {alignment}"))
+        VolumeError::OutOfRange(format!(
+            "required_bytes {required}: {wanted} bytes cannot be rounded up to the alignment of {alignment} bytes"
+        ))
     })?;
     if aligned == 0 {
-        return Err(VolumeError::OutOfRange("a volume cannot be empty".into()));
+        return Err(VolumeError::OutOfRange(
+            "required_bytes 0 and no default size: a volume cannot be empty".into(),
+        ));
     }
     if limit > 0 && aligned > limit {
         let aligned_down = limit / alignment * alignment;
@@ -476,8 +480,12 @@ impl Volumes {
         parameters.device_mode = Some(self.backend.mode().as_str().to_string());
         let volume = VolumeState {
             id: id.clone(),
-            size: i64::try_from(size)
-                .map_err(|_| VolumeError::OutOfRange(format!("{size} bytes")))?,
+            size: i64::try_from(size).map_err(|_| {
+                VolumeError::OutOfRange(format!(
+                    "required_bytes {}: {size} bytes after rounding up to the alignment is more than a volume can hold",
+                    request.required
+                ))
+            })?,
             parameters: parameters.to_context(),
         };
         blocking(|| {
