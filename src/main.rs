@@ -317,7 +317,8 @@ async fn start_webhook(
     });
     let server = webhooks::https::HttpsServer::bind(webhook.address)
         .await
-        .context("binding the webhook address")?;
+        .context("binding the webhook address")?
+        .with_options(webhooks::https::ServeOptions::webhook());
     tracing::info!(address = %server.local_addr(), "pod webhook listening");
     let router = webhooks::webhook::router(
         process.client(),

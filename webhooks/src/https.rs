@@ -1,12 +1,20 @@
 //! The HTTP server under the webhook (HTTPS) and the scheduler extender (plain HTTP on
-//! 127.0.0.1): an accept loop around hyper's HTTP/1 connection driver with handshake and
-//! header timeouts, and a graceful shutdown that lets in-flight requests finish.
+//! 127.0.0.1): an accept loop around hyper's HTTP/1 connection driver with handshake, header
+//! and request deadlines, caps on connections (in all and per peer address) and on requests in
+//! flight, and a graceful shutdown that lets in-flight requests finish.
+//!
+//! The webhook is reachable by every pod of the cluster, and its process also hosts the
+//! controller's leader concerns: a client that opens thousands of idle connections, dribbles
+//! a 3 MiB body or floods reviews must neither exhaust memory or descriptors nor keep the
+//! apiserver from getting answers. Over a cap the server answers at once (a closed connection,
+//! or 503 without reading the body) instead of queueing.
 
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::io;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -19,6 +27,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use rustls::ServerConfig;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
@@ -47,7 +56,8 @@ pub enum HttpsError {
     },
 }
 
-/// Timeouts of a server; [`Default`] holds the production values.
+/// Deadlines and caps of a server; [`Default`] holds the production values of the extender,
+/// [`ServeOptions::webhook`] those of the pod webhook.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServeOptions {
     /// Longest a client may take to complete the TLS handshake.
@@ -58,11 +68,20 @@ pub struct ServeOptions {
     /// After shutdown is requested, longest to wait for in-flight requests before dropping
     /// their connections.
     pub drain_timeout: Duration,
-    /// If set, a handler running longer is abandoned and the client gets 503.
+    /// If set, a request whose body and handling take longer is abandoned and the client gets
+    /// 503 (with `header_read_timeout`, the deadline of a whole request).
     pub request_timeout: Option<Duration>,
     /// Pause after an accept error that is not about one connection (e.g. EMFILE), so a
     /// full file table does not turn the loop into a busy spin.
     pub accept_backoff: Duration,
+    /// Open connections at most; a connection over it is closed as soon as it is accepted.
+    pub max_connections: usize,
+    /// Open connections at most from one peer address, so that one client (a pod) cannot take
+    /// every connection the apiserver needs.
+    pub max_connections_per_peer: usize,
+    /// Requests in flight at most (each may hold a body of up to the route's limit in memory);
+    /// a request over it is answered 503 at once, its body unread.
+    pub max_requests_in_flight: usize,
 }
 
 impl Default for ServeOptions {
@@ -73,8 +92,77 @@ impl Default for ServeOptions {
             drain_timeout: Duration::from_secs(10),
             request_timeout: None,
             accept_backoff: Duration::from_millis(100),
+            max_connections: 1024,
+            max_connections_per_peer: 256,
+            max_requests_in_flight: 64,
         }
     }
+}
+
+impl ServeOptions {
+    /// The pod webhook's: the TLS handshake within 1 s, headers within 1.5 s (also how long
+    /// an idle keep-alive connection stays; Go's client retries a request on a connection the
+    /// server closed while idle) and body plus answer within 2 s: together below the 5 s
+    /// `timeoutSeconds` of the shipped webhook configuration, so that a slow client is cut off
+    /// before the apiserver would give up; 64 connections per peer (pods) and 16 reviews in
+    /// flight (each body up to 3 MiB).
+    pub fn webhook() -> Self {
+        Self {
+            handshake_timeout: Duration::from_secs(1),
+            header_read_timeout: Duration::from_millis(1500),
+            request_timeout: Some(Duration::from_secs(2)),
+            max_connections: 1024,
+            max_connections_per_peer: 64,
+            max_requests_in_flight: 16,
+            ..Self::default()
+        }
+    }
+}
+
+/// Open connections per peer address, counted while their [`PeerSlot`] lives.
+#[derive(Debug, Default)]
+struct PeerCounts(Mutex<HashMap<IpAddr, usize>>);
+
+/// One counted connection of a peer; dropping it uncounts it (and forgets a peer with none, so
+/// the map holds only peers with open connections).
+#[derive(Debug)]
+struct PeerSlot {
+    counts: Arc<PeerCounts>,
+    peer: IpAddr,
+}
+
+impl PeerCounts {
+    fn admit(self: &Arc<Self>, peer: IpAddr, limit: usize) -> Option<PeerSlot> {
+        let mut counts = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let open = counts.entry(peer).or_default();
+        if *open >= limit {
+            return None;
+        }
+        *open += 1;
+        Some(PeerSlot {
+            counts: Arc::clone(self),
+            peer,
+        })
+    }
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        let mut counts = self.counts.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(open) = counts.get_mut(&self.peer) {
+            *open = open.saturating_sub(1);
+            if *open == 0 {
+                counts.remove(&self.peer);
+            }
+        }
+    }
+}
+
+/// What a connection holds while open: its place under both caps.
+#[derive(Debug)]
+struct Admission {
+    _total: OwnedSemaphorePermit,
+    _peer: PeerSlot,
 }
 
 /// A bound listener that serves an axum [`Router`] over HTTPS or plain HTTP/1.1.
@@ -137,6 +225,9 @@ impl HttpsServer {
             options,
         } = self;
         let options = Arc::new(options);
+        let connection_slots = Arc::new(Semaphore::new(options.max_connections));
+        let peers = Arc::new(PeerCounts::default());
+        let requests = Arc::new(Semaphore::new(options.max_requests_in_flight));
         let mut connections = JoinSet::new();
         loop {
             tokio::select! {
@@ -149,13 +240,30 @@ impl HttpsServer {
                 }
                 accepted = listener.accept() => match accepted {
                     Ok((stream, peer)) => {
+                        let admission = Arc::clone(&connection_slots)
+                            .try_acquire_owned()
+                            .ok()
+                            .and_then(|total| {
+                                let peer_slot =
+                                    peers.admit(peer.ip(), options.max_connections_per_peer)?;
+                                Some(Admission { _total: total, _peer: peer_slot })
+                            });
+                        let Some(admission) = admission else {
+                            // Closed at once: the client learns now, not after a timeout, and
+                            // holds nothing of ours.
+                            tracing::debug!(%peer, "connection over the cap; closed");
+                            drop(stream);
+                            continue;
+                        };
                         connections.spawn(handle_connection(
                             stream,
                             peer,
                             tls.clone(),
                             router.clone(),
                             Arc::clone(&options),
+                            Arc::clone(&requests),
                             shutdown.clone(),
+                            admission,
                         ));
                     }
                     // The peer gave up between SYN and accept; nothing wrong with us.
@@ -205,20 +313,23 @@ fn is_per_connection(e: &io::Error) -> bool {
     )
 }
 
+#[allow(clippy::too_many_arguments)] // one connection's whole context, passed once
 async fn handle_connection(
     stream: TcpStream,
     peer: SocketAddr,
     tls: Option<TlsAcceptor>,
     router: Router,
     options: Arc<ServeOptions>,
+    requests: Arc<Semaphore>,
     shutdown: CancellationToken,
+    _admission: Admission,
 ) {
     // Responses are small and latency matters to the scheduler, which waits on each.
     if let Err(e) = stream.set_nodelay(true) {
         tracing::debug!(%peer, error = %e, "cannot set TCP_NODELAY");
     }
     let Some(acceptor) = tls else {
-        serve_connection(stream, peer, router, &options, &shutdown).await;
+        serve_connection(stream, peer, router, &options, requests, &shutdown).await;
         return;
     };
     let handshake = async {
@@ -230,7 +341,9 @@ async fn handle_connection(
         handshake = tokio::time::timeout(options.handshake_timeout, handshake) => handshake,
     };
     match handshake {
-        Ok(Ok(stream)) => serve_connection(stream, peer, router, &options, &shutdown).await,
+        Ok(Ok(stream)) => {
+            serve_connection(stream, peer, router, &options, requests, &shutdown).await;
+        }
         // Scanners, health checks that only open TCP, and clients that reject our certificate
         // all end here; none of them is our problem, so keep them out of the default log level.
         Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
@@ -323,6 +436,7 @@ async fn serve_connection<I>(
     peer: SocketAddr,
     router: Router,
     options: &ServeOptions,
+    requests: Arc<Semaphore>,
     shutdown: &CancellationToken,
 ) where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -331,7 +445,13 @@ async fn serve_connection<I>(
     let service = hyper::service::service_fn(move |mut request: Request<Incoming>| {
         let mut router = router.clone();
         request.extensions_mut().insert(ConnectInfo(peer));
+        // Taken before the body is read, so that shedding costs no memory.
+        let slot = Arc::clone(&requests).try_acquire_owned();
         async move {
+            let Ok(_slot) = slot else {
+                tracing::debug!(%peer, "too many requests in flight; answered 503");
+                return Ok(overloaded());
+            };
             // Router is always ready, so calling without poll_ready is fine (axum does the same).
             let response = router.call(request);
             let response = match request_timeout {
@@ -367,6 +487,17 @@ async fn serve_connection<I>(
     }
 }
 
+fn overloaded() -> Response<Body> {
+    let mut response = Response::new(Body::from("too many requests in flight; try again\n"));
+    *response.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+    // The body was not read: the connection cannot carry another request.
+    response.headers_mut().insert(
+        http::header::CONNECTION,
+        http::HeaderValue::from_static("close"),
+    );
+    response
+}
+
 fn timed_out() -> Response<Body> {
     let mut response = Response::new(Body::from("request timed out\n"));
     *response.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
@@ -376,6 +507,36 @@ fn timed_out() -> Response<Body> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn webhook_deadlines_end_before_the_apiservers() {
+        // manifests/components/scheduler-extender/webhook-configuration.yaml: timeoutSeconds.
+        let webhook_timeout = Duration::from_secs(5);
+        let o = ServeOptions::webhook();
+        let whole = o.handshake_timeout
+            + o.header_read_timeout
+            + o.request_timeout.unwrap_or(Duration::MAX / 2);
+        assert!(whole < webhook_timeout, "{whole:?}");
+        assert!(o.max_connections_per_peer < o.max_connections);
+    }
+
+    #[test]
+    fn peer_slots_cap_and_forget() {
+        let counts = Arc::new(PeerCounts::default());
+        let a: IpAddr = [10, 0, 0, 1].into();
+        let b: IpAddr = [10, 0, 0, 2].into();
+        let first = counts.admit(a, 2).expect("first");
+        let second = counts.admit(a, 2).expect("second");
+        assert!(counts.admit(a, 2).is_none(), "a third from the same peer");
+        let other = counts.admit(b, 2).expect("another peer is not affected");
+        drop(first);
+        let again = counts.admit(a, 2).expect("a slot freed");
+        drop((second, again, other));
+        assert!(
+            counts.0.lock().expect("lock").is_empty(),
+            "peers without connections are forgotten"
+        );
+    }
 
     #[tokio::test]
     async fn replay_yields_prefix_then_inner() {

@@ -1,0 +1,333 @@
+//! `HttpsServer` under clients that try to exhaust it, as any pod can reach the webhook: idle
+//! connections beyond the caps are closed at once, requests beyond the in-flight limit are
+//! answered 503 at once with their bodies unread, and a well-behaved client (the apiserver,
+//! from its own address) keeps getting answers within the webhook timeout while slow bodies,
+//! hundreds of idle connections and concurrent 3 MiB reviews come from other addresses.
+//!
+//! Each client class has its own loopback address (127.0.0.N), as pods have their own IPs.
+
+#[allow(dead_code)]
+mod tls_common;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::DefaultBodyLimit;
+use axum::routing::post;
+use tls_common::{start_plain, until};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpSocket, TcpStream};
+use tokio::sync::Notify;
+use webhooks::https::ServeOptions;
+
+/// The shipped webhook configuration's `timeoutSeconds`.
+const WEBHOOK_TIMEOUT: Duration = Duration::from_secs(5);
+/// The webhook's body limit.
+const BODY: usize = 3 << 20;
+const WAIT: Duration = Duration::from_secs(20);
+
+/// `/review` reads the whole body (as the webhook's handler does) and answers its length.
+fn review_router() -> Router {
+    Router::new()
+        .route(
+            "/review",
+            post(|body: Bytes| async move { format!("{}", body.len()) }),
+        )
+        .layer(DefaultBodyLimit::max(BODY))
+}
+
+/// A TCP connection to `server` from loopback address 127.0.0.`from`.
+async fn connect_from(from: u8, server: SocketAddr) -> std::io::Result<TcpStream> {
+    let socket = TcpSocket::new_v4()?;
+    socket.bind(SocketAddr::from(([127, 0, 0, from], 0)))?;
+    socket.connect(server).await
+}
+
+/// POSTs `body` to `/review` on `stream` and returns the status code and body of the answer.
+async fn review(stream: &mut TcpStream, body: &[u8]) -> Result<(u16, String), String> {
+    let head = format!(
+        "POST /review HTTP/1.1\r\nHost: webhook\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    stream
+        .write_all(head.as_bytes())
+        .await
+        .map_err(|e| e.to_string())?;
+    stream.write_all(body).await.map_err(|e| e.to_string())?;
+    read_response(stream).await
+}
+
+/// Reads one response with a Content-Length body.
+async fn read_response(stream: &mut TcpStream) -> Result<(u16, String), String> {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        let n = stream.read(&mut chunk).await.map_err(|e| e.to_string())?;
+        if n == 0 {
+            return Err(format!("closed after {:?}", String::from_utf8_lossy(&buf)));
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        let text = String::from_utf8_lossy(&buf).to_string();
+        let Some((head, body)) = text.split_once("\r\n\r\n") else {
+            continue;
+        };
+        let length: usize = head
+            .lines()
+            .find_map(|l| {
+                l.to_ascii_lowercase()
+                    .strip_prefix("content-length:")
+                    .map(|v| v.trim().to_string())
+            })
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        if body.len() >= length {
+            let status = head
+                .split_whitespace()
+                .nth(1)
+                .and_then(|s| s.parse().ok())
+                .ok_or_else(|| format!("no status in {head:?}"))?;
+            return Ok((status, body.to_string()));
+        }
+    }
+}
+
+/// Whether the server has closed `stream` (EOF or reset on read).
+async fn closed_by_server(stream: &mut TcpStream) -> bool {
+    let mut byte = [0u8; 1];
+    matches!(stream.read(&mut byte).await, Ok(0) | Err(_))
+}
+
+#[tokio::test]
+async fn idle_connections_over_the_peer_cap_are_closed_at_once() {
+    const CAP: usize = 20;
+    let server = start_plain(
+        review_router(),
+        ServeOptions {
+            // Long, so that only the cap can close a connection during the test.
+            header_read_timeout: Duration::from_secs(60),
+            max_connections_per_peer: CAP,
+            ..ServeOptions::default()
+        },
+    )
+    .await;
+    let mut idle = Vec::new();
+    for _ in 0..3 * CAP {
+        idle.push(connect_from(3, server.addr).await.expect("connect"));
+    }
+    // The server accepts in order: the first CAP are admitted, the rest closed.
+    let (admitted, over) = idle.split_at_mut(CAP);
+    for stream in over.iter_mut() {
+        assert!(
+            closed_by_server(stream).await,
+            "a connection over the cap stays open"
+        );
+    }
+    for stream in admitted.iter_mut() {
+        assert_eq!(
+            review(stream, b"{}")
+                .await
+                .expect("an admitted connection works"),
+            (200, "2".into())
+        );
+    }
+    // Another peer is not affected by this one's connections.
+    let mut other = connect_from(2, server.addr).await.expect("connect");
+    assert_eq!(
+        review(&mut other, b"{}").await.expect("review"),
+        (200, "2".into())
+    );
+    // Once this peer's connections close, it may connect again.
+    idle.clear();
+    until(WAIT, "a slot for the peer again", || async {
+        let Ok(mut stream) = connect_from(3, server.addr).await else {
+            return false;
+        };
+        review(&mut stream, b"{}").await.is_ok_and(|r| r.0 == 200)
+    })
+    .await;
+    server.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn requests_over_the_in_flight_limit_are_shed_at_once() {
+    const LIMIT: usize = 2;
+    let release = Arc::new(Notify::new());
+    let entered = Arc::new(AtomicUsize::new(0));
+    let router = {
+        let (release, entered) = (Arc::clone(&release), Arc::clone(&entered));
+        review_router().route(
+            "/hold",
+            post(move |_body: Bytes| {
+                let (release, entered) = (Arc::clone(&release), Arc::clone(&entered));
+                async move {
+                    entered.fetch_add(1, Ordering::SeqCst);
+                    release.notified().await;
+                    "held"
+                }
+            }),
+        )
+    };
+    let server = start_plain(
+        router,
+        ServeOptions {
+            max_requests_in_flight: LIMIT,
+            ..ServeOptions::default()
+        },
+    )
+    .await;
+    let addr = server.addr;
+    let holders: Vec<_> = (0..LIMIT)
+        .map(|_| {
+            tokio::spawn(async move {
+                let mut s = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+                s.write_all(b"POST /hold HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+                    .await
+                    .map_err(|e| e.to_string())?;
+                read_response(&mut s).await
+            })
+        })
+        .collect();
+    until(WAIT, "both holders in their handler", || async {
+        entered.load(Ordering::SeqCst) == LIMIT
+    })
+    .await;
+    // A 3 MiB review while the limit is reached: 503 before its body is even sent.
+    let mut shed = TcpStream::connect(addr).await.expect("connect");
+    shed.write_all(
+        format!("POST /review HTTP/1.1\r\nHost: x\r\nContent-Length: {BODY}\r\n\r\n").as_bytes(),
+    )
+    .await
+    .expect("headers");
+    let (status, body) = read_response(&mut shed).await.expect("an answer");
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("too many requests"), "{body}");
+    assert!(
+        closed_by_server(&mut shed).await,
+        "a shed request's connection is closed"
+    );
+    assert!(
+        holders.iter().all(|h| !h.is_finished()),
+        "shed while the holders still run, not queued behind them"
+    );
+    release.notify_waiters();
+    for holder in holders {
+        assert_eq!(
+            holder.await.expect("join").expect("held request"),
+            (200, "held".into())
+        );
+    }
+    // With the slots back, reviews are served again.
+    let mut s = TcpStream::connect(addr).await.expect("connect");
+    assert_eq!(
+        review(&mut s, b"{}").await.expect("review"),
+        (200, "2".into())
+    );
+    server.shutdown.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_apiserver_is_answered_while_hostile_clients_attack() {
+    let server = start_plain(
+        review_router(),
+        ServeOptions {
+            header_read_timeout: Duration::from_secs(1),
+            request_timeout: Some(Duration::from_secs(1)),
+            max_connections: 400,
+            max_connections_per_peer: 50,
+            max_requests_in_flight: 16,
+            ..ServeOptions::default()
+        },
+    )
+    .await;
+    let addr = server.addr;
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut attackers = Vec::new();
+    // 127.0.0.3: 300 idle connections, reopened as the server closes them.
+    for _ in 0..300 {
+        let stop = Arc::clone(&stop);
+        attackers.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                if let Ok(mut s) = connect_from(3, addr).await {
+                    let _ = closed_by_server(&mut s).await;
+                }
+                // Reconnecting at once would only measure how fast 2 cores spin.
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }));
+    }
+    // 127.0.0.4: 8 slow bodies: a 3 MiB review sent 1 KiB per 50 ms.
+    let dribbled = Arc::new(AtomicUsize::new(0));
+    for _ in 0..8 {
+        let (stop, dribbled) = (Arc::clone(&stop), Arc::clone(&dribbled));
+        attackers.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let Ok(mut s) = connect_from(4, addr).await else {
+                    continue;
+                };
+                let head =
+                    format!("POST /review HTTP/1.1\r\nHost: x\r\nContent-Length: {BODY}\r\n\r\n");
+                if s.write_all(head.as_bytes()).await.is_err() {
+                    continue;
+                }
+                while !stop.load(Ordering::Relaxed) {
+                    if s.write_all(&[b' '; 1024]).await.is_err() {
+                        break;
+                    }
+                    dribbled.fetch_add(1, Ordering::Relaxed);
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }));
+    }
+    // 127.0.0.5: 4 clients sending 3 MiB reviews back to back.
+    let big_answers = Arc::new(AtomicUsize::new(0));
+    for _ in 0..4 {
+        let (stop, big_answers) = (Arc::clone(&stop), Arc::clone(&big_answers));
+        attackers.push(tokio::spawn(async move {
+            let body = vec![b' '; BODY];
+            while !stop.load(Ordering::Relaxed) {
+                let Ok(mut s) = connect_from(5, addr).await else {
+                    continue;
+                };
+                if review(&mut s, &body).await.is_ok() {
+                    big_answers.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    // The attack in full swing: slow bodies past the request deadline (cut off and reopened),
+    // 3 MiB reviews answered.
+    until(WAIT, "the attack to be under way", || async {
+        dribbled.load(Ordering::Relaxed) >= 8 * 30 && big_answers.load(Ordering::Relaxed) >= 8
+    })
+    .await;
+    // 127.0.0.2, the apiserver: 30 reviews, each on a fresh connection, each answered in time.
+    let mut slowest = Duration::ZERO;
+    for i in 0..30 {
+        let started = Instant::now();
+        let answer = tokio::time::timeout(WEBHOOK_TIMEOUT, async {
+            let mut s = connect_from(2, addr).await.map_err(|e| e.to_string())?;
+            review(&mut s, br#"{"kind":"AdmissionReview"}"#).await
+        })
+        .await;
+        let answer =
+            answer.unwrap_or_else(|_| panic!("review {i} not answered in {WEBHOOK_TIMEOUT:?}"));
+        assert_eq!(answer, Ok((200, "26".into())), "review {i}");
+        slowest = slowest.max(started.elapsed());
+        // Spread over the attack rather than squeezed into one moment of it.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    for attacker in attackers {
+        attacker.abort();
+    }
+    eprintln!(
+        "apiserver's slowest answer under attack: {slowest:?}; 3 MiB reviews answered meanwhile: {}",
+        big_answers.load(Ordering::Relaxed)
+    );
+    server.shutdown.cancel();
+}
