@@ -636,7 +636,13 @@ mod tests {
             (2 * A, A, Err("exceeds limit_bytes")),
             (0, A, Ok(A)),
             (0, 3 * MI, Err("above limit_bytes")),
-            (u64::MAX, 0, Err("required_bytes 18446744073709551615: 18446744073709551615 bytes cannot be rounded up")),
+            (
+                u64::MAX,
+                0,
+                Err(
+                    "required_bytes 18446744073709551615: 18446744073709551615 bytes cannot be rounded up",
+                ),
+            ),
         ] {
             let got = new_volume_size(required, limit, 8 * MI, A);
             match (got, want) {
