@@ -1,8 +1,11 @@
 //! Two `pmem-csi controller` processes with leader election: only the leader reschedules; when
-//! it is killed with SIGKILL, the other takes over and handles new claims.
+//! it is killed with SIGKILL, the other takes over and handles new claims. Then two candidates
+//! in-process against the real apiserver: a leader behind a hung connection steps down before
+//! anyone takes over, and a 30 s clock skew does not make two leaders.
 
 use std::time::Duration;
 
+use controllers::leader::{LeaderMetrics, LeaderSettings, elect};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::PersistentVolumeClaim;
 use kube::Api;
@@ -168,4 +171,153 @@ async fn only_the_leader_acts_and_a_standby_takes_over() {
         .expect("claim");
     rescheduled(&api, "second").await;
     standby.stop().await;
+}
+
+/// Two in-process candidates on one Lease (3 s lease, 300 ms retry) in namespace `ns`, `a`'s
+/// writes going through `a_client`; a monitor that fails if both ever lead at once.
+struct Race {
+    a: tokio::sync::watch::Receiver<bool>,
+    b: tokio::sync::watch::Receiver<bool>,
+    shutdown: tokio_util::sync::CancellationToken,
+    both_led: tokio::task::JoinHandle<bool>,
+}
+
+fn settings(ns: &str, lease: &str, identity: &str, skew_secs: i64) -> LeaderSettings {
+    LeaderSettings {
+        name: lease.into(),
+        namespace: ns.into(),
+        identity: identity.into(),
+        lease_duration: Duration::from_secs(3),
+        retry_period: Duration::from_millis(300),
+        wall_clock_skew: k8s_openapi::jiff::SignedDuration::from_secs(skew_secs),
+    }
+}
+
+async fn race(
+    a_client: kube::Client,
+    b_client: kube::Client,
+    a: LeaderSettings,
+    b: LeaderSettings,
+) -> Race {
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = LeaderMetrics::register(&mut registry);
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let (a_rx, a_task) = elect(a_client, a, metrics.clone(), shutdown.clone());
+    tokio::spawn(a_task);
+    let mut leads = a_rx.clone();
+    tokio::time::timeout(WAIT, leads.wait_for(|l| *l))
+        .await
+        .expect("a leads in time")
+        .expect("a's election runs");
+    let (b_rx, b_task) = elect(b_client, b, metrics, shutdown.clone());
+    tokio::spawn(b_task);
+    let (mut wa, mut wb, stop) = (a_rx.clone(), b_rx.clone(), shutdown.clone());
+    let both_led = tokio::spawn(async move {
+        loop {
+            if *wa.borrow_and_update() && *wb.borrow_and_update() {
+                return true;
+            }
+            tokio::select! {
+                r = wa.changed() => if r.is_err() { return false },
+                r = wb.changed() => if r.is_err() { return false },
+                _ = stop.cancelled() => return false,
+            }
+        }
+    });
+    Race {
+        a: a_rx,
+        b: b_rx,
+        shutdown,
+        both_led,
+    }
+}
+
+/// A leader whose apiserver connection hangs (open, silent) steps down at its renew deadline;
+/// the standby takes over only after that, never while the old leader still acts.
+#[tokio::test]
+async fn a_leader_behind_a_hung_connection_steps_down_before_anyone_takes_over() {
+    let env = env();
+    let client = env.client().await.expect("client");
+    let ns = testenv::test_namespace(&client, "leader-hung")
+        .await
+        .expect("ns");
+    let target: std::net::SocketAddr = env
+        .server()
+        .trim_start_matches("https://")
+        .parse()
+        .expect("apiserver address");
+    let proxy = testenv::proxy::TcpProxy::start(target, Default::default())
+        .await
+        .expect("proxy");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let kubeconfig = dir.path().join("via-proxy.kubeconfig");
+    let admin = std::fs::read_to_string(env.admin_kubeconfig()).expect("admin kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        admin.replace(&env.server(), &format!("https://{}", proxy.address())),
+    )
+    .expect("kubeconfig");
+    let via_proxy = testenv::control_plane::client_from(&kubeconfig, "a")
+        .await
+        .expect("client via the proxy");
+    let mut r = race(
+        via_proxy,
+        client.clone(),
+        settings(&ns, "hung", "a", 0),
+        settings(&ns, "hung", "b", 0),
+    )
+    .await;
+    proxy.hang();
+    tokio::time::timeout(WAIT, r.b.wait_for(|l| *l))
+        .await
+        .expect("b takes over in time")
+        .expect("b's election runs");
+    assert!(!*r.a.borrow(), "a stepped down");
+    r.shutdown.cancel();
+    assert!(!r.both_led.await.expect("monitor"), "a and b led at once");
+    proxy.cut();
+}
+
+/// A leader whose wall clock is 30 s behind (its renewTimes look 30 s old) keeps its Lease:
+/// the standby judges by when it saw the Lease change, not by the holder's clock.
+#[tokio::test]
+async fn a_skewed_clock_does_not_make_two_leaders() {
+    let env = env();
+    let client = env.client().await.expect("client");
+    let ns = testenv::test_namespace(&client, "leader-skew")
+        .await
+        .expect("ns");
+    let r = race(
+        client.clone(),
+        client.clone(),
+        settings(&ns, "skew", "a", -30),
+        settings(&ns, "skew", "b", 0),
+    )
+    .await;
+    // Three leases' worth of renewals by a, each seen as a change.
+    let leases = Api::<Lease>::namespaced(client.clone(), &ns);
+    let seen = std::cell::RefCell::new(std::collections::BTreeSet::new());
+    until("a to renew 30 times", WAIT, || async {
+        let renewed = leases
+            .get("skew")
+            .await
+            .map_err(|e| e.to_string())?
+            .spec
+            .and_then(|s| s.renew_time)
+            .map(|t| t.0.to_string())
+            .unwrap_or_default();
+        let mut seen = seen.borrow_mut();
+        seen.insert(renewed);
+        if seen.len() >= 30 {
+            Ok(())
+        } else {
+            Err(format!("{} renewals seen", seen.len()))
+        }
+    })
+    .await
+    .expect("renewals");
+    assert!(*r.a.borrow(), "a still leads");
+    assert!(!*r.b.borrow(), "b stands by");
+    r.shutdown.cancel();
+    assert!(!r.both_led.await.expect("monitor"), "a and b led at once");
 }

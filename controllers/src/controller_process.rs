@@ -137,10 +137,11 @@ impl ControllerArgs {
                 .map_err(|e| err("leader-election-lease-duration", e))?;
             let retry = parse_duration(&self.leader_election_retry_period)
                 .map_err(|e| err("leader-election-retry-period", e))?;
-            if retry.is_zero() || retry >= duration {
+            // A leader renews at least once before its renew deadline.
+            if retry.is_zero() || retry >= crate::leader::renew_deadline(duration) {
                 return Err(err(
                     "leader-election-retry-period",
-                    "must be above zero and below --leader-election-lease-duration".into(),
+                    "must be above zero and below two thirds of --leader-election-lease-duration (the renew deadline)".into(),
                 ));
             }
             let identity = self.leader_election_identity.clone().unwrap_or_else(|| {
@@ -313,6 +314,7 @@ impl ControllerProcess {
                             identity: identity.clone(),
                             lease_duration: *duration,
                             retry_period: *retry,
+                            wall_clock_skew: Default::default(),
                         },
                         self.leader_metrics.clone(),
                         shutdown.clone(),
@@ -440,8 +442,24 @@ mod tests {
     #[test]
     fn validate_table() {
         type Edit = fn(&mut ControllerArgs);
-        let cases: [(&str, Edit, Option<&str>); 6] = [
+        let cases: [(&str, Edit, Option<&str>); 8] = [
             ("valid", |_| {}, None),
+            (
+                "retry below the renew deadline",
+                |a| {
+                    a.leader_election = true;
+                    a.leader_election_retry_period = "9s".into();
+                },
+                None,
+            ),
+            (
+                "retry at the renew deadline",
+                |a| {
+                    a.leader_election = true;
+                    a.leader_election_retry_period = "10s".into();
+                },
+                Some("leader-election-retry-period"),
+            ),
             (
                 "no selector",
                 |a| a.node_selector = None,

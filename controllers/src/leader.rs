@@ -1,13 +1,22 @@
 //! Leader election on a Lease, opt-in per concern: standbys keep their caches warm and take
 //! over when the leader stops renewing; `leader_election_master_status{name}` tells which
 //! instance leads.
+//!
+//! The semantics are client-go's, so that two instances never act as leader at once:
+//! - a standby judges expiry by its own monotonic clock, from when it last saw the Lease
+//!   change, never from the holder's `renewTime` (written by another node's wall clock, which
+//!   may be off by any amount);
+//! - every attempt has a deadline, so a hung connection cannot keep a loop waiting;
+//! - a leader steps down once its last successful renewal *started* longer ago than the renew
+//!   deadline (two thirds of the lease), while any other candidate waits at least the whole
+//!   lease after the last change it saw: the difference is the margin for concerns to stop.
 
 use std::future::Future;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
-use k8s_openapi::jiff::Timestamp;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::Api;
 use kube::api::PostParams;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -30,6 +39,52 @@ pub struct LeaderSettings {
     pub lease_duration: Duration,
     /// How often the leader renews and standbys look.
     pub retry_period: Duration,
+    /// Added to the times this candidate writes into the Lease: zero in production; tests
+    /// simulate a node whose wall clock is off (which must not matter).
+    pub wall_clock_skew: SignedDuration,
+}
+
+impl LeaderSettings {
+    /// How long a leader keeps leading without a successful renewal: [`renew_deadline`].
+    pub fn renew_deadline(&self) -> Duration {
+        renew_deadline(self.lease_duration)
+    }
+}
+
+/// Two thirds of the lease (client-go's defaults: 10 s of 15 s): a leader that could not renew
+/// for this long steps down, a whole lease before anyone else may take over.
+pub fn renew_deadline(lease_duration: Duration) -> Duration {
+    lease_duration * 2 / 3
+}
+
+/// What a candidate last saw of the Lease (`None`: no Lease) and when, by its own clock.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Observation {
+    /// The Lease's spec as read.
+    pub spec: Option<LeaseSpec>,
+    /// When this candidate first saw it so.
+    pub at: Instant,
+}
+
+/// The observation after reading `spec` at `now`: unchanged (and so still dated from when it
+/// was first seen) if the Lease is as `previous` saw it, otherwise new.
+pub fn observe(
+    previous: Option<Observation>,
+    spec: Option<&LeaseSpec>,
+    now: Instant,
+) -> Observation {
+    match previous {
+        Some(p) if p.spec.as_ref() == spec => p,
+        _ => Observation {
+            spec: spec.cloned(),
+            at: now,
+        },
+    }
+}
+
+/// Whether a leader whose last successful renewal started at `renewed` still leads at `now`.
+pub fn still_leading(renewed: Option<Instant>, now: Instant, renew_deadline: Duration) -> bool {
+    renewed.is_some_and(|r| now.saturating_duration_since(r) < renew_deadline)
 }
 
 /// What to do with the Lease as found.
@@ -45,9 +100,9 @@ pub enum LeaseAction {
     Standby,
 }
 
-/// Decides from the Lease's spec (`None`: no Lease), judged at `now`.
-pub fn decide(spec: Option<&LeaseSpec>, me: &str, now: Timestamp) -> LeaseAction {
-    let Some(spec) = spec else {
+/// Decides from the Lease as `observed`, judged at `now` (this candidate's monotonic clock).
+pub fn decide(observed: &Observation, me: &str, now: Instant) -> LeaseAction {
+    let Some(spec) = &observed.spec else {
         return LeaseAction::Create;
     };
     let holder = spec.holder_identity.as_deref().unwrap_or_default();
@@ -59,16 +114,10 @@ pub fn decide(spec: Option<&LeaseSpec>, me: &str, now: Timestamp) -> LeaseAction
     }
     let duration =
         Duration::from_secs(u64::try_from(spec.lease_duration_seconds.unwrap_or(0)).unwrap_or(0));
-    let renewed = spec
-        .renew_time
-        .as_ref()
-        .or(spec.acquire_time.as_ref())
-        .map(|t| t.0);
-    match renewed {
-        Some(t) if now.duration_since(t).try_into().unwrap_or(Duration::ZERO) <= duration => {
-            LeaseAction::Standby
-        }
-        _ => LeaseAction::TakeOver,
+    if now.saturating_duration_since(observed.at) < duration {
+        LeaseAction::Standby
+    } else {
+        LeaseAction::TakeOver
     }
 }
 
@@ -108,7 +157,7 @@ fn spec_for(
     previous: Option<&LeaseSpec>,
     acquire: bool,
 ) -> LeaseSpec {
-    let now = MicroTime(Timestamp::now());
+    let now = MicroTime(Timestamp::now() + settings.wall_clock_skew);
     let mut spec = previous.cloned().unwrap_or_default();
     if acquire {
         spec.acquire_time = Some(now.clone());
@@ -134,12 +183,29 @@ pub fn elect(
         let api = Api::<Lease>::namespaced(client, &settings.namespace);
         let me = settings.identity.clone();
         metrics.set(&settings.name, false);
-        let mut last_renewal = None::<std::time::Instant>;
+        let renew_deadline = settings.renew_deadline();
+        let mut observed = None::<Observation>;
+        // When the last successful renewal (or acquisition) started.
+        let mut renewed = None::<Instant>;
         loop {
-            let outcome: Result<bool, kube::Error> = async {
+            let started = Instant::now();
+            let was_leading = *tx.borrow();
+            // A leader's attempt may only run until its renew deadline; a standby's for as
+            // long, so that a hung connection is given up in time either way.
+            let limit = if was_leading {
+                renewed
+                    .map(|r| (r + renew_deadline).saturating_duration_since(started))
+                    .unwrap_or_default()
+            } else {
+                renew_deadline
+            };
+            let attempt = async {
                 let existing = api.get_opt(&settings.name).await?;
                 let spec = existing.as_ref().and_then(|l| l.spec.as_ref());
-                match decide(spec, &me, Timestamp::now()) {
+                let seen = observe(observed.take(), spec, Instant::now());
+                let action = decide(&seen, &me, Instant::now());
+                observed = Some(seen);
+                match action {
                     LeaseAction::Standby => Ok(false),
                     LeaseAction::Create => {
                         let lease = Lease {
@@ -168,19 +234,35 @@ pub fn elect(
                         Ok(true)
                     }
                 }
-            }
-            .await;
+            };
+            let outcome: Result<Result<bool, kube::Error>, _> =
+                tokio::time::timeout(limit, attempt).await;
             let leading = match outcome {
-                Ok(true) => {
-                    last_renewal = Some(std::time::Instant::now());
+                Ok(Ok(true)) => {
+                    renewed = Some(started);
                     true
                 }
-                Ok(false) => false,
-                Err(e) => {
+                Ok(Ok(false)) => false,
+                // Someone else wrote the Lease since it was read: whatever they did, it is
+                // not ours to keep acting on.
+                Ok(Err(kube::Error::Api(e))) if e.code == 409 => {
+                    tracing::warn!(
+                        lease = settings.name,
+                        "leader election: the Lease changed under us: {e}"
+                    );
+                    false
+                }
+                Ok(Err(e)) => {
                     tracing::warn!(lease = settings.name, "leader election: {e}");
-                    // Keep leading only while the last renewal is still valid.
-                    *tx.borrow()
-                        && last_renewal.is_some_and(|t| t.elapsed() < settings.lease_duration)
+                    was_leading && still_leading(renewed, Instant::now(), renew_deadline)
+                }
+                Err(_) => {
+                    tracing::warn!(
+                        lease = settings.name,
+                        ?limit,
+                        "leader election: no answer from the apiserver in time"
+                    );
+                    was_leading && still_leading(renewed, Instant::now(), renew_deadline)
                 }
             };
             if leading != *tx.borrow() {
@@ -193,8 +275,13 @@ pub fn elect(
             }
             tx.send_replace(leading);
             metrics.set(&settings.name, leading);
+            // A leader wakes at its renew deadline at the latest, to step down on time.
+            let mut next = Instant::now() + settings.retry_period;
+            if leading && let Some(r) = renewed {
+                next = next.min(r + renew_deadline);
+            }
             tokio::select! {
-                _ = tokio::time::sleep(settings.retry_period) => {}
+                _ = tokio::time::sleep_until(next.into()) => {}
                 _ = shutdown.cancelled() => break,
             }
         }
@@ -275,8 +362,7 @@ mod tests {
         let now = Timestamp::now();
         LeaseSpec {
             holder_identity: holder.map(str::to_string),
-            renew_time: renewed_secs_ago
-                .map(|s| MicroTime(now - k8s_openapi::jiff::SignedDuration::from_secs(s))),
+            renew_time: renewed_secs_ago.map(|s| MicroTime(now - SignedDuration::from_secs(s))),
             lease_duration_seconds: Some(duration),
             ..Default::default()
         }
@@ -350,41 +436,103 @@ mod tests {
 
     #[test]
     fn decide_table() {
-        let now = Timestamp::now();
-        for (name, lease, want) in [
-            ("no lease", None, LeaseAction::Create),
+        let t0 = Instant::now();
+        let secs = Duration::from_secs;
+        for (name, lease, seen_for, want) in [
+            ("no lease", None, secs(0), LeaseAction::Create),
             (
                 "mine",
                 Some(spec(Some("me"), Some(1), 15)),
+                secs(0),
                 LeaseAction::Renew,
             ),
             (
-                "mine even if expired",
+                "mine, unchanged for long",
                 Some(spec(Some("me"), Some(100), 15)),
+                secs(100),
                 LeaseAction::Renew,
             ),
             (
-                "other, valid",
+                "other, just changed",
                 Some(spec(Some("other"), Some(5), 15)),
+                secs(0),
                 LeaseAction::Standby,
             ),
             (
-                "other, expired",
-                Some(spec(Some("other"), Some(20), 15)),
+                "other, unchanged for less than the lease",
+                Some(spec(Some("other"), Some(5), 15)),
+                secs(14),
+                LeaseAction::Standby,
+            ),
+            (
+                "other, unchanged for the lease",
+                Some(spec(Some("other"), Some(5), 15)),
+                secs(15),
+                LeaseAction::TakeOver,
+            ),
+            // The holder's clock is 30 s behind: its fresh renewals carry old times. Judged
+            // by when they were seen, it is alive (the old rule took over here: two leaders).
+            (
+                "other, renewTime 30 s old but just changed",
+                Some(spec(Some("other"), Some(30), 15)),
+                secs(1),
+                LeaseAction::Standby,
+            ),
+            // The holder's clock is 30 s ahead: its renewTime lies in the future. It is
+            // still taken over once nothing changed for the lease.
+            (
+                "other, renewTime in the future, unchanged for the lease",
+                Some(spec(Some("other"), Some(-30), 15)),
+                secs(15),
                 LeaseAction::TakeOver,
             ),
             (
                 "released",
                 Some(spec(None, Some(1), 15)),
+                secs(0),
                 LeaseAction::TakeOver,
             ),
             (
-                "never renewed",
+                "never renewed, just seen",
                 Some(spec(Some("other"), None, 15)),
-                LeaseAction::TakeOver,
+                secs(0),
+                LeaseAction::Standby,
             ),
         ] {
-            assert_eq!(decide(lease.as_ref(), "me", now), want, "{name}");
+            let observed = Observation {
+                spec: lease,
+                at: t0,
+            };
+            assert_eq!(decide(&observed, "me", t0 + seen_for), want, "{name}");
         }
+    }
+
+    #[test]
+    fn observations_date_from_the_last_change() {
+        let t0 = Instant::now();
+        let later = t0 + Duration::from_secs(10);
+        let a = spec(Some("a"), Some(1), 15);
+        let first = observe(None, Some(&a), t0);
+        assert_eq!(first.at, t0);
+        let same = observe(Some(first.clone()), Some(&a), later);
+        assert_eq!(same.at, t0, "an unchanged Lease keeps its date");
+        let mut renewed = a.clone();
+        renewed.renew_time = Some(MicroTime(Timestamp::now()));
+        assert_eq!(observe(Some(same.clone()), Some(&renewed), later).at, later);
+        assert_eq!(observe(Some(same), None, later).at, later, "deleted");
+    }
+
+    #[test]
+    fn a_leader_steps_down_at_the_renew_deadline() {
+        let t0 = Instant::now();
+        let deadline = renew_deadline(Duration::from_secs(15));
+        assert_eq!(deadline, Duration::from_secs(10));
+        assert!(still_leading(
+            Some(t0),
+            t0 + Duration::from_secs(9),
+            deadline
+        ));
+        assert!(!still_leading(Some(t0), t0 + deadline, deadline));
+        assert!(!still_leading(None, t0, deadline), "never renewed");
     }
 }

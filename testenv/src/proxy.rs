@@ -1,5 +1,7 @@
 //! A TCP proxy between a simulated node's processes and the apiserver, which a test can cut
-//! (every connection dropped, new ones refused) and restore: a network partition of one node.
+//! (every connection dropped, new ones refused) and restore: a network partition of one node;
+//! or hang (connections stay open, nothing more is forwarded): an apiserver that stopped
+//! answering behind a connection that looks alive.
 
 use std::net::SocketAddr;
 
@@ -14,6 +16,7 @@ pub struct TcpProxy {
     // A watch, not a Notify: a connection task still connecting to the target when the cut
     // comes must see it once it gets to wait, or it would forward through the partition.
     cut: watch::Sender<bool>,
+    hung: watch::Sender<bool>,
     shutdown: CancellationToken,
 }
 
@@ -23,6 +26,7 @@ impl TcpProxy {
         let listener = TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
         let address = listener.local_addr()?;
         let (cut, cut_seen) = watch::channel(false);
+        let (hung, hung_seen) = watch::channel(false);
         let s = shutdown.clone();
         tokio::spawn(async move {
             loop {
@@ -38,13 +42,30 @@ impl TcpProxy {
                     drop(client);
                     continue;
                 }
-                let (mut cut_seen, s) = (cut_seen.clone(), s.clone());
+                let (mut cut_seen, mut hung_seen, s) =
+                    (cut_seen.clone(), hung_seen.clone(), s.clone());
                 tokio::spawn(async move {
-                    let Ok(mut server) = TcpStream::connect(target).await else {
-                        return;
+                    let forward = async {
+                        // Hung: the connection is held open and nothing is forwarded.
+                        let hung_now = *hung_seen.borrow();
+                        if hung_now {
+                            return std::future::pending::<()>().await;
+                        }
+                        let Ok(mut server) = TcpStream::connect(target).await else {
+                            return;
+                        };
+                        tokio::select! {
+                            _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                            // The guard wait_for returns must not live across the await below.
+                            () = async { drop(hung_seen.wait_for(|hung| *hung).await) } => {
+                                // Both ends stay open until the cut or the end of the test.
+                                let _held = (server, &client);
+                                std::future::pending::<()>().await
+                            }
+                        }
                     };
                     tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                        () = forward => {}
                         _ = cut_seen.wait_for(|cut| *cut) => {}
                         _ = s.cancelled() => {}
                     }
@@ -54,6 +75,7 @@ impl TcpProxy {
         Ok(Self {
             address,
             cut,
+            hung,
             shutdown,
         })
     }
@@ -71,6 +93,12 @@ impl TcpProxy {
     /// Heals the partition.
     pub fn restore(&self) {
         self.cut.send_replace(false);
+    }
+
+    /// Stops forwarding without closing anything: open connections and new ones stay open and
+    /// silent, as behind an apiserver that hangs. [`TcpProxy::cut`] then drops them.
+    pub fn hang(&self) {
+        self.hung.send_replace(true);
     }
 }
 
