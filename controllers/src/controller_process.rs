@@ -28,6 +28,12 @@ use crate::reconcile_metrics::ReconcileMetrics;
 use crate::rescheduler::{Rescheduler, ReschedulerMetrics};
 use crate::stores::{self, Stores};
 
+/// Requests per second of the elections' own client: each Lease costs a GET and a PUT per
+/// retry period (2 s by default), and an instance runs two or three elections.
+const ELECTION_QPS: f64 = 5.0;
+/// Burst of the elections' own client.
+const ELECTION_BURST: u32 = 10;
+
 /// Flags of `pmem-csi controller`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ControllerArgs {
@@ -181,6 +187,7 @@ pub struct ControllerProcess {
     extra: Vec<(String, bool, ConcernStart)>,
     config: ControllerConfig,
     client: kube::Client,
+    election_client: kube::Client,
     stores: Stores,
     claim_events: ReflectHandle<PersistentVolumeClaim>,
     tasks: JoinSet<()>,
@@ -198,6 +205,9 @@ impl ControllerProcess {
         readiness: &Readiness,
     ) -> Result<Self, ControllerProcessError> {
         let client = crate::rate_limit::client(config.kube_api.0, config.kube_api.1).await?;
+        // Elections get a client of their own (own connections, own token bucket), so that a
+        // burst of webhook lookups or reconciles never delays a renewal past its deadline.
+        let election_client = crate::rate_limit::client(ELECTION_QPS, ELECTION_BURST).await?;
         let mut tasks = JoinSet::new();
         let (claims, claim_events) = stores::shared(
             Api::<PersistentVolumeClaim>::all(client.clone()),
@@ -231,6 +241,7 @@ impl ControllerProcess {
             extra: Vec::new(),
             config,
             client,
+            election_client,
             stores,
             claim_events,
             tasks,
@@ -304,7 +315,7 @@ impl ControllerProcess {
                 None => tokio::sync::watch::channel(true).1,
                 Some((duration, retry, identity)) => {
                     let (rx, election) = crate::leader::elect(
-                        self.client.clone(),
+                        self.election_client.clone(),
                         LeaderSettings {
                             name: crate::names::shorten(
                                 &format!("{}-{concern}", self.config.driver_name.replace('.', "-")),

@@ -196,6 +196,19 @@ pub fn claims_to_look_up(pod: &Pod, namespace: &str) -> Vec<ClaimKey> {
         .collect()
 }
 
+/// Of [`claims_to_look_up`], those worth a GET when the cache misses them: the claims the pod
+/// names. A generic ephemeral volume's claim is created by the ephemeral volume controller only
+/// after the pod exists, so at the pod's admission it is never there to fetch.
+pub fn claims_to_fetch(pod: &Pod, namespace: &str) -> BTreeSet<ClaimKey> {
+    volumes(pod)
+        .iter()
+        .filter_map(|volume| match classify(volume) {
+            Kind::Claim(name) => Some(ClaimKey::new(namespace, name)),
+            _ => None,
+        })
+        .collect()
+}
+
 /// Step 2: the classes named by the pod's unbound claims (as found in `facts`) and by the
 /// templates of ephemeral volumes whose claim does not exist yet, minus those already in
 /// `facts`; and whether the default class is needed and not yet known.
@@ -1007,6 +1020,14 @@ mod tests {
             ]
             .map(|n| ClaimKey::new("ns", n))
             .to_vec()
+        );
+        // Only the named claims are worth a GET: ephemeral ones cannot exist at admission.
+        assert_eq!(
+            claims_to_fetch(&pod, "ns"),
+            ["c1", "bound", "gone"]
+                .map(|n| ClaimKey::new("ns", n))
+                .into_iter()
+                .collect::<BTreeSet<_>>()
         );
         let step1 = facts(
             vec![

@@ -1,6 +1,6 @@
 //! The pod mutating webhook of `pmem-csi controller`: its flags, the HTTPS server on
-//! `/pod/mutate`, and the lookups the decision needs (shared caches first, then one GET per
-//! miss). The decision itself is [`crate::mutation::decide`].
+//! `/pod/mutate`, and the lookups the decision needs (shared caches first, then GETs for the
+//! misses, in parallel under one deadline). The decision itself is [`crate::mutation::decide`].
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -37,8 +37,13 @@ use crate::tls::{CertFiles, CertResolver};
 pub const BODY_LIMIT: usize = 3 << 20;
 /// The route, also the `webhook` label of controller-runtime's metrics.
 pub const ROUTE: &str = "/pod/mutate";
-/// Budget of one GET for an object missing from the caches; the apiserver waits for us.
-const LOOKUP_BUDGET: Duration = Duration::from_secs(2);
+/// Deadline of all GETs of one review together (claims, then classes): below the server's
+/// request deadline (`ServeOptions::webhook`, 2 s), so that a review whose lookups hang is
+/// still answered, as if the objects were not found.
+pub const LOOKUPS_DEADLINE: Duration = Duration::from_millis(1500);
+/// GETs of one review in flight at once: a pod with hundreds of claims missing from the cache
+/// must not send hundreds of requests at once.
+pub const PARALLEL_LOOKUPS: usize = 8;
 
 /// Webhook flags of `pmem-csi controller` (the scheduler-extender component sets them).
 #[derive(clap::Args, Debug, Clone, Default)]
@@ -429,14 +434,38 @@ async fn decide(shared: &Shared, request: &admission::AdmissionRequest) -> Decis
         return Decision::Unchanged(reason);
     }
     let namespace = mutation::pod_namespace(pod, &request.namespace).to_string();
+    let deadline = tokio::time::Instant::now() + LOOKUPS_DEADLINE;
     let mut facts = VolumeFacts::default();
+    let fetchable = pod_volumes::claims_to_fetch(pod, &namespace);
+    let mut missing = Vec::new();
     for key in pod_volumes::claims_to_look_up(pod, &namespace) {
-        let found = lookup_claim(shared, &key.namespace, &key.name).await;
+        match cached_claim(shared, &key) {
+            Some(found) => {
+                facts.claims.insert(key, Some(found));
+            }
+            None if fetchable.contains(&key) => missing.push(key),
+            // A generic ephemeral volume's claim is made after its pod: at admission it
+            // cannot exist, so no GET is spent on it.
+            None => {
+                shared.metrics.lookup("claim", "missing");
+                facts.claims.insert(key, None);
+            }
+        }
+    }
+    for (key, found) in fetch_all(missing, deadline, |key| fetch_claim(shared, key)).await {
         facts.claims.insert(key, found);
     }
     let lookups = pod_volumes::classes_to_look_up(pod, &namespace, &facts);
+    let mut missing = Vec::new();
     for name in lookups.names {
-        let found = lookup_class(shared, &name).await;
+        match cached_class(shared, &name) {
+            Some(found) => {
+                facts.classes.insert(name, Some(found));
+            }
+            None => missing.push(name),
+        }
+    }
+    for (name, found) in fetch_all(missing, deadline, |name| fetch_class(shared, name)).await {
         facts.classes.insert(name, found);
     }
     if lookups.default_class {
@@ -454,65 +483,94 @@ async fn decide(shared: &Shared, request: &admission::AdmissionRequest) -> Decis
     )
 }
 
-async fn lookup_claim(shared: &Shared, namespace: &str, name: &str) -> Option<ClaimFacts> {
-    let cached = shared
+/// `fetch` for every key, at most [`PARALLEL_LOOKUPS`] at once, until `deadline`: keys not
+/// answered by then count as not found.
+async fn fetch_all<'a, K, T, F, Fut>(
+    keys: Vec<K>,
+    deadline: tokio::time::Instant,
+    fetch: F,
+) -> Vec<(K, Option<T>)>
+where
+    K: Clone + Ord + 'a,
+    F: Fn(K) -> Fut,
+    Fut: std::future::Future<Output = Option<T>> + 'a,
+{
+    use futures::StreamExt;
+    let mut pending: std::collections::BTreeSet<K> = keys.iter().cloned().collect();
+    let mut answers = futures::stream::iter(keys)
+        .map(|key| {
+            let fetched = fetch(key.clone());
+            async move { (key, fetched.await) }
+        })
+        .buffer_unordered(PARALLEL_LOOKUPS);
+    let mut out = Vec::new();
+    while let Ok(Some((key, found))) = tokio::time::timeout_at(deadline, answers.next()).await {
+        pending.remove(&key);
+        out.push((key, found));
+    }
+    if !pending.is_empty() {
+        tracing::warn!(
+            unanswered = pending.len(),
+            deadline = ?LOOKUPS_DEADLINE,
+            "lookups unanswered at the deadline count as not found"
+        );
+    }
+    out.extend(pending.into_iter().map(|key| (key, None)));
+    out
+}
+
+fn cached_claim(shared: &Shared, key: &pod_volumes::ClaimKey) -> Option<ClaimFacts> {
+    let claim = shared
         .stores
         .claims
-        .get(&ObjectRef::<PersistentVolumeClaim>::new(name).within(namespace));
-    if let Some(claim) = cached {
-        shared.metrics.lookup("claim", "cache");
-        return Some(ClaimFacts::from(claim.as_ref()));
-    }
-    // A claim created right before its pod may not have reached the cache yet.
+        .get(&ObjectRef::<PersistentVolumeClaim>::new(&key.name).within(&key.namespace))?;
+    shared.metrics.lookup("claim", "cache");
+    Some(ClaimFacts::from(claim.as_ref()))
+}
+
+/// A claim the cache has not seen yet (created right before its pod).
+async fn fetch_claim(shared: &Shared, key: pod_volumes::ClaimKey) -> Option<ClaimFacts> {
+    let (namespace, name) = (&key.namespace, &key.name);
     let api = Api::<PersistentVolumeClaim>::namespaced(shared.client.clone(), namespace);
-    match tokio::time::timeout(LOOKUP_BUDGET, api.get_opt(name)).await {
-        Ok(Ok(Some(claim))) => {
+    match api.get_opt(name).await {
+        Ok(Some(claim)) => {
             shared.metrics.lookup("claim", "api");
             Some(ClaimFacts::from(&claim))
         }
-        Ok(Ok(None)) => {
+        Ok(None) => {
             shared.metrics.lookup("claim", "missing");
             None
         }
-        Ok(Err(e)) => {
+        Err(e) => {
             tracing::warn!(namespace, name, "looking up claim: {e}");
-            shared.metrics.lookup("claim", "error");
-            None
-        }
-        Err(_) => {
-            tracing::warn!(namespace, name, "looking up claim timed out");
             shared.metrics.lookup("claim", "error");
             None
         }
     }
 }
 
-async fn lookup_class(shared: &Shared, name: &str) -> Option<ClassFacts> {
-    if let Some(class) = shared
+fn cached_class(shared: &Shared, name: &str) -> Option<ClassFacts> {
+    let class = shared
         .stores
         .classes
-        .get(&ObjectRef::<StorageClass>::new(name))
-    {
-        shared.metrics.lookup("class", "cache");
-        return Some(ClassFacts::from(class.as_ref()));
-    }
+        .get(&ObjectRef::<StorageClass>::new(name))?;
+    shared.metrics.lookup("class", "cache");
+    Some(ClassFacts::from(class.as_ref()))
+}
+
+async fn fetch_class(shared: &Shared, name: String) -> Option<ClassFacts> {
     let api = Api::<StorageClass>::all(shared.client.clone());
-    match tokio::time::timeout(LOOKUP_BUDGET, api.get_opt(name)).await {
-        Ok(Ok(Some(class))) => {
+    match api.get_opt(&name).await {
+        Ok(Some(class)) => {
             shared.metrics.lookup("class", "api");
             Some(ClassFacts::from(&class))
         }
-        Ok(Ok(None)) => {
+        Ok(None) => {
             shared.metrics.lookup("class", "missing");
             None
         }
-        Ok(Err(e)) => {
+        Err(e) => {
             tracing::warn!(name, "looking up class: {e}");
-            shared.metrics.lookup("class", "error");
-            None
-        }
-        Err(_) => {
-            tracing::warn!(name, "looking up class timed out");
             shared.metrics.lookup("class", "error");
             None
         }
