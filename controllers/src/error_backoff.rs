@@ -1,11 +1,13 @@
 //! Per-object exponential back-off after failed reconciles (500 ms, 1 s, 2 s, … 5 min), reset
 //! by a success: one failing object backs off without slowing the others, and a persistent
-//! failure does not hammer the apiserver.
+//! failure does not hammer the apiserver. An object that stopped failing without a success (it
+//! was deleted, or is no longer reconciled) is forgotten after [`FORGET_AFTER`], so the map
+//! holds only objects that are still failing.
 
 use std::collections::HashMap;
 use std::hash::Hash;
 use std::sync::{Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kube::Resource;
 use kube::runtime::reflector::ObjectRef;
@@ -14,13 +16,23 @@ use kube::runtime::reflector::ObjectRef;
 pub const FIRST: Duration = Duration::from_millis(500);
 /// The longest delay.
 pub const MAX: Duration = Duration::from_secs(300);
+/// An object still failing fails again within [`MAX`] of its last failure; one whose last
+/// failure is this old was deleted or is no longer reconciled.
+pub const FORGET_AFTER: Duration = Duration::from_secs(2 * 300);
+
+/// Consecutive failures of one object and when the last one was.
+#[derive(Clone, Copy, Debug)]
+struct Failures {
+    count: u32,
+    last: Instant,
+}
 
 /// Failure counts per object.
 pub struct ErrorBackoff<K: Resource>
 where
     K::DynamicType: Eq + Hash,
 {
-    failures: Mutex<HashMap<ObjectRef<K>, u32>>,
+    failures: Mutex<HashMap<ObjectRef<K>, Failures>>,
 }
 
 impl<K: Resource> Default for ErrorBackoff<K>
@@ -47,10 +59,34 @@ where
 {
     /// Records a failure of `object`; returns how long to wait before the next attempt.
     pub fn failed(&self, object: &K) -> Duration {
+        self.failed_at(object, Instant::now())
+    }
+
+    fn failed_at(&self, object: &K, now: Instant) -> Duration {
         let mut failures = self.failures.lock().unwrap_or_else(PoisonError::into_inner);
-        let n = failures.entry(ObjectRef::from_obj(object)).or_insert(0);
-        *n = n.saturating_add(1);
-        delay(*n)
+        failures.retain(|_, f| now.saturating_duration_since(f.last) < FORGET_AFTER);
+        let f = failures
+            .entry(ObjectRef::from_obj(object))
+            .or_insert(Failures {
+                count: 0,
+                last: now,
+            });
+        f.count = f.count.saturating_add(1);
+        f.last = now;
+        delay(f.count)
+    }
+
+    /// How many objects are backing off.
+    pub fn len(&self) -> usize {
+        self.failures
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+
+    /// Whether no object is backing off.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 
     /// Records a success of `object`, resetting its back-off.
@@ -98,5 +134,36 @@ mod tests {
         assert_eq!(b.failed(&cm("b")), FIRST, "objects back off independently");
         b.succeeded(&cm("a"));
         assert_eq!(b.failed(&cm("a")), FIRST, "a success resets");
+    }
+
+    #[test]
+    fn objects_that_stopped_failing_are_forgotten() {
+        let b = ErrorBackoff::<ConfigMap>::default();
+        let cm = |name: &str| ConfigMap {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("ns".into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let t0 = Instant::now();
+        b.failed_at(&cm("deleted"), t0);
+        b.failed_at(&cm("failing"), t0);
+        // Still failing: fails again within MAX each time.
+        for i in 1..=4u32 {
+            b.failed_at(&cm("failing"), t0 + MAX * i);
+        }
+        assert_eq!(b.len(), 1, "the deleted object's entry was dropped");
+        assert_eq!(
+            b.failed_at(&cm("failing"), t0 + MAX * 5),
+            delay(6),
+            "the failing one kept its count"
+        );
+        assert_eq!(
+            b.failed_at(&cm("deleted"), t0 + MAX * 5),
+            FIRST,
+            "a forgotten object starts over"
+        );
     }
 }

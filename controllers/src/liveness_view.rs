@@ -26,6 +26,33 @@ pub fn heartbeat_lease_name(driver: &str, node: &str) -> String {
     crate::names::shorten(&name, 63)
 }
 
+/// How long a name that no Node has is still observed after a concern last asked about it:
+/// longer than any concern waits between two questions about a claim it keeps (the grace,
+/// twice, and a minute).
+pub fn forget_after(grace: Duration) -> Duration {
+    grace * 2 + Duration::from_secs(60)
+}
+
+/// The nodes a background pass observes: every node that exists, and every name a concern
+/// asked about within `forget_after` (a claim may name a node that does not exist).
+pub fn nodes_to_observe(
+    existing: &HashSet<String>,
+    asked: &HashMap<String, Instant>,
+    now: Instant,
+    forget_after: Duration,
+) -> std::collections::BTreeSet<String> {
+    existing
+        .iter()
+        .cloned()
+        .chain(
+            asked
+                .iter()
+                .filter(|(_, at)| now.saturating_duration_since(**at) < forget_after)
+                .map(|(node, _)| node.clone()),
+        )
+        .collect()
+}
+
 /// What the judgement depends on besides the stores.
 #[derive(Clone, Debug)]
 pub struct LivenessSettings {
@@ -47,6 +74,8 @@ pub struct LivenessView {
     settings: Arc<LivenessSettings>,
     stores: NodeStores,
     since: Arc<Mutex<HashMap<String, Instant>>>,
+    /// When a concern last asked about each node (the background pass does not count).
+    asked: Arc<Mutex<HashMap<String, Instant>>>,
     /// The nodes the last background pass judged definitely driverless.
     driverless: Arc<Mutex<Arc<HashSet<String>>>>,
 }
@@ -58,6 +87,7 @@ impl LivenessView {
             settings: Arc::new(settings),
             stores,
             since: Arc::default(),
+            asked: Arc::default(),
             driverless: Arc::default(),
         }
     }
@@ -87,6 +117,49 @@ impl LivenessView {
 
     /// The judgement of `node` now; remembers since when it has looked driverless.
     pub fn judge(&self, node: &str) -> Liveness {
+        self.asked
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(node.to_string(), Instant::now());
+        self.judge_quietly(node)
+    }
+
+    /// How many nodes the view keeps state for (every node that exists, plus names concerns
+    /// asked about recently).
+    pub fn tracked(&self) -> usize {
+        self.since
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+            .max(
+                self.asked
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .len(),
+            )
+    }
+
+    /// The nodes to observe now ([`nodes_to_observe`]); forgets every other name, so that the
+    /// view holds only nodes that exist or that concerns ask about (a claim's made-up
+    /// selected-node, a node deleted long ago, are dropped).
+    fn prune(
+        &self,
+        existing: &HashSet<String>,
+        now: Instant,
+        forget_after: Duration,
+    ) -> std::collections::BTreeSet<String> {
+        let mut asked = self.asked.lock().unwrap_or_else(PoisonError::into_inner);
+        let nodes = nodes_to_observe(existing, &asked, now, forget_after);
+        asked.retain(|node, _| nodes.contains(node));
+        self.since
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .retain(|node, _| nodes.contains(node));
+        nodes
+    }
+
+    /// [`LivenessView::judge`] without counting as a concern's question (the background pass).
+    fn judge_quietly(&self, node: &str) -> Liveness {
         let observation = self.observe(node);
         let mut since = self.since.lock().unwrap_or_else(PoisonError::into_inner);
         let (liveness, new_since) = liveness::judge(
@@ -115,26 +188,19 @@ impl LivenessView {
     /// Observes every known node (and every node judged before) once per second until
     /// `shutdown`, so that a recovery between two reconciles resets the grace.
     pub async fn run(self, shutdown: CancellationToken) {
+        let forget_after = forget_after(self.settings.grace);
         loop {
-            let mut nodes: Vec<String> = self
+            let existing: HashSet<String> = self
                 .stores
                 .nodes
                 .state()
                 .iter()
                 .map(|n| n.metadata.name.clone().unwrap_or_default())
                 .collect();
-            nodes.extend(
-                self.since
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .keys()
-                    .cloned(),
-            );
-            nodes.sort();
-            nodes.dedup();
+            let nodes = self.prune(&existing, Instant::now(), forget_after);
             let mut driverless = HashSet::new();
             for node in nodes {
-                if let Liveness::DefinitelyNotRunning(_) = self.judge(&node) {
+                if let Liveness::DefinitelyNotRunning(_) = self.judge_quietly(&node) {
                     driverless.insert(node);
                 }
             }
@@ -230,4 +296,61 @@ fn observation(
 fn age_of(t: k8s_openapi::jiff::Timestamp) -> Duration {
     let now = k8s_openapi::jiff::Timestamp::now();
     now.duration_since(t).try_into().unwrap_or(Duration::ZERO)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nodes_to_observe_table() {
+        let t0 = Instant::now();
+        let forget = forget_after(Duration::from_secs(30));
+        assert_eq!(forget, Duration::from_secs(120));
+        let existing: HashSet<String> = ["a", "b"].map(String::from).into();
+        let asked: HashMap<String, Instant> = [
+            ("a", t0),
+            ("made-up", t0 + Duration::from_secs(100)),
+            ("gone-long-ago", t0),
+        ]
+        .map(|(n, t)| (n.to_string(), t))
+        .into();
+        let now = t0 + Duration::from_secs(150);
+        let nodes: Vec<String> = nodes_to_observe(&existing, &asked, now, forget)
+            .into_iter()
+            .collect();
+        // "a" exists (however long ago it was asked about), "b" exists, "made-up" was asked
+        // 50 s ago; nobody asked about "gone-long-ago" for 150 s and no Node has that name.
+        assert_eq!(nodes, ["a", "b", "made-up"]);
+    }
+
+    #[tokio::test]
+    async fn a_made_up_name_is_tracked_only_while_asked_about() {
+        use kube::runtime::reflector;
+        let stores = NodeStores {
+            nodes: reflector::store().0,
+            csinodes: reflector::store().0,
+            leases: reflector::store().0,
+        };
+        let view = LivenessView::new(
+            LivenessSettings {
+                driver: "pmem-csi.intel.com".into(),
+                selector: NodeSelector::parse("storage=pmem").expect("selector"),
+                grace: Duration::from_secs(30),
+                heartbeat: None,
+                namespace: "pmem-csi".into(),
+            },
+            stores,
+        );
+        let grace = Duration::from_secs(30);
+        let none = HashSet::new();
+        assert!(matches!(view.judge("made-up"), Liveness::Suspect { .. }));
+        assert_eq!(view.tracked(), 1);
+        let soon = Instant::now() + Duration::from_secs(1);
+        assert_eq!(view.prune(&none, soon, forget_after(grace)).len(), 1);
+        assert_eq!(view.tracked(), 1, "still asked about: kept");
+        let later = Instant::now() + forget_after(grace);
+        assert!(view.prune(&none, later, forget_after(grace)).is_empty());
+        assert_eq!(view.tracked(), 0, "nobody asks any more: forgotten");
+    }
 }
