@@ -611,3 +611,78 @@ fn cpu(amount: &str) -> ResourceRequirements {
         ..Default::default()
     }
 }
+
+/// An extender whose caches cannot sync (its apiserver accepts connections and never answers)
+/// answers no fit: `/filter` gets 503, which kube-scheduler (`ignorable: false`) turns into a
+/// retry, instead of fits judged from an empty index. The same holds right after a restart,
+/// until the watches have listed the pods bound since.
+#[tokio::test]
+async fn no_fits_before_the_caches_have_synced() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let silent_addr = silent.local_addr().expect("addr");
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = silent.accept().await {
+            held.push(stream);
+        }
+    });
+    let dir = tempfile::tempdir().expect("tempdir");
+    let kubeconfig = dir.path().join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: silent\n  cluster:\n    server: https://{silent_addr}\n    insecure-skip-tls-verify: true\nusers:\n- name: u\n  user:\n    token: t\ncontexts:\n- name: c\n  context:\n    cluster: silent\n    user: u\ncurrent-context: c\n"
+        ),
+    )
+    .expect("kubeconfig");
+    let route = testenv::ports::free_port().expect("port");
+    let admin = testenv::ports::free_port().expect("port");
+    let mut extender = std::process::Command::new(env!("CARGO_BIN_EXE_pmem-csi"))
+        .args([
+            "extender",
+            "--node-selector=storage=pmem",
+            &format!("--extender-address=127.0.0.1:{route}"),
+            &format!("--admin-address=127.0.0.1:{admin}"),
+        ])
+        .env("KUBECONFIG", &kubeconfig)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("pmem-csi extender");
+    let body = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("testdata/extender/good/filter-nodenames.json"),
+    )
+    .expect("filter request");
+    let answer = until("an answer from /filter", WAIT, || async {
+        let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", route))
+            .await
+            .map_err(|e| e.to_string())?;
+        let request = format!(
+            "POST /filter HTTP/1.1\r\nHost: extender\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        stream
+            .write_all(request.as_bytes())
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut response = String::new();
+        stream
+            .read_to_string(&mut response)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(response)
+    })
+    .await;
+    let _ = extender.kill();
+    let _ = extender.wait();
+    let answer = answer.expect("answered");
+    assert!(
+        answer.starts_with("HTTP/1.1 503"),
+        "a fit before the caches synced: {answer}"
+    );
+    assert!(answer.contains("not synced"), "{answer}");
+}

@@ -214,6 +214,9 @@ struct Shared {
     liveness: LivenessView,
     config: Arc<ExtenderConfig>,
     metrics: ExtenderMetrics,
+    /// Every watch has listed once: before that the index is half-filled and its fits would
+    /// over-commit, so `/filter` answers none.
+    synced: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// The running extender: watches started, routes bound.
@@ -254,6 +257,7 @@ impl Extender {
             liveness,
             config: Arc::new(config),
             metrics: ExtenderMetrics::register(registry),
+            synced: Arc::default(),
         };
         let mut watches_synced = Vec::new();
         let driver_label = format!(
@@ -334,6 +338,7 @@ impl Extender {
         // Ready once every watch has listed: answers from a half-filled index would
         // over-commit.
         let synced = self.synced.clone();
+        let answering = Arc::clone(&shared.synced);
         let stores = self.node_stores.clone();
         let mut waits = std::mem::take(&mut self.watches_synced);
         let token = shutdown.clone();
@@ -350,6 +355,7 @@ impl Extender {
                 ok = all => {
                     if ok {
                         tracing::info!("caches synced");
+                        answering.store(true, std::sync::atomic::Ordering::Release);
                         synced.set(true);
                     }
                 }
@@ -409,6 +415,20 @@ fn judge_driverless(liveness: &LivenessView) -> impl Fn(&str) -> bool + use<> {
 
 async fn filter(State(shared): State<Shared>, body: Bytes) -> Response {
     let started = Instant::now();
+    if !shared.synced.load(std::sync::atomic::Ordering::Acquire) {
+        // kube-scheduler (ignorable: false) keeps the pod Pending and retries: better than a
+        // fit judged from a half-listed index, or one that forgot a restart's reservations
+        // before the Pods watch brought back the bound pods.
+        let response = (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the extender's caches have not synced yet; no fits are answered before they have\n",
+        )
+            .into_response();
+        shared
+            .metrics
+            .request("filter", response.status().as_u16(), started.elapsed());
+        return response;
+    }
     let response = match crate::extender_api::decode_request(&body) {
         Err(e) => bad_request(e.to_string()),
         Ok(request) => {
