@@ -777,6 +777,15 @@ EOF
 }
 
 no_pvs() { [[ -z $($KUBECTL get pv -o name 2>/dev/null) ]]; }
+# After <what>: no PV, and no volume or state file on any node.
+no_volume_left() { # <what>
+  local n out
+  wait_for 90 "every PV gone after $1" no_pvs
+  for n in "${NODES[@]}"; do
+    out=$(in_node "$n" find /var/lib/pmem-csi-emulated /var/lib/pmem-csi.intel.com -type f)
+    [[ -z $out ]] || die "volumes left on $n after $1: $out"
+  done
+}
 csinode_lists_driver() { $KUBECTL get csinode "$1" -o jsonpath='{.spec.drivers[*].name}' | grep -qw pmem-csi.intel.com; }
 capacity_of() { $KUBECTL -n pmem-csi get csistoragecapacities -o name | grep -q "pmem-csi-$1-"; }
 
@@ -844,26 +853,18 @@ EOF
     die "example pods not Ready: $($KUBECTL get pods)"
   log "examples Running: $(tr '\n' ' ' <<<"$pods")"
   $KUBECTL delete -f "$ex" --wait=true >/dev/null
-  wait_for 90 "every PV gone" no_pvs
-  for n in "${NODES[@]}"; do
-    out=$(in_node "$n" find /var/lib/pmem-csi-emulated /var/lib/pmem-csi.intel.com -type f)
-    [[ -z $out ]] || die "volumes left on $n: $out"
-  done
+  no_volume_left "the examples"
   log "verify passed in $((SECONDS - t0))s"
 }
 
 # The e2e crate in cluster mode (tools/cluster-e2e.sh, shared with kind) against this cluster,
 # its pods on the imported busybox; then no volume file is left on any node.
 scenarios() {
-  local t0=$SECONDS n out
+  local t0=$SECONDS
   KUBECONFIG=$S/pki/admin.kubeconfig KUBECTL=$KUBECTL PMEM_CSI_E2E_IMAGE=$BUSYBOX_IMAGE \
     bash "$here/cluster-e2e.sh" scenarios "$TOP/logs/scenarios" ||
     die "e2e scenarios failed (kubelet and containerd logs: $TOP/logs/last-run after stop)"
-  wait_for 90 "every PV gone" no_pvs
-  for n in "${NODES[@]}"; do
-    out=$(in_node "$n" find /var/lib/pmem-csi-emulated /var/lib/pmem-csi.intel.com -type f)
-    [[ -z $out ]] || die "volumes left on $n after the scenarios: $out"
-  done
+  no_volume_left "the scenarios"
   log "e2e scenarios passed in $((SECONDS - t0))s; no volume left on any node"
 }
 

@@ -104,6 +104,17 @@ mod tests {
     use k8s_openapi::api::core::v1::ConfigMap;
     use kube::api::ObjectMeta;
 
+    fn cm(name: &str) -> ConfigMap {
+        ConfigMap {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("ns".into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+
     #[test]
     fn delay_table() {
         for (n, want) in [
@@ -121,14 +132,6 @@ mod tests {
     #[test]
     fn per_object_and_reset() {
         let b = ErrorBackoff::<ConfigMap>::default();
-        let cm = |name: &str| ConfigMap {
-            metadata: ObjectMeta {
-                name: Some(name.into()),
-                namespace: Some("ns".into()),
-                ..Default::default()
-            },
-            ..Default::default()
-        };
         assert_eq!(b.failed(&cm("a")), FIRST);
         assert_eq!(b.failed(&cm("a")), FIRST * 2);
         assert_eq!(b.failed(&cm("b")), FIRST, "objects back off independently");
@@ -139,14 +142,6 @@ mod tests {
     #[test]
     fn objects_that_stopped_failing_are_forgotten() {
         let b = ErrorBackoff::<ConfigMap>::default();
-        let cm = |name: &str| ConfigMap {
-            metadata: ObjectMeta {
-                name: Some(name.into()),
-                namespace: Some("ns".into()),
-                ..Default::default()
-            },
-            ..Default::default()
-        };
         let t0 = Instant::now();
         b.failed_at(&cm("deleted"), t0);
         b.failed_at(&cm("failing"), t0);

@@ -748,21 +748,27 @@ const FIELDS: [&str; 8] = [
 /// CreateVolume with any request on the fake backend: OK (then a safe ID, a size within the
 /// range, a state file inside the state directory; repeating it answers the same volume and
 /// DeleteVolume removes it, twice), or an error of the caller's making that names the field.
-#[test]
-fn create_volume_requests() {
+/// A runtime and the Controller service of a 1 GiB fake node whose state is in `state`.
+fn fake_node(state: &Path) -> (tokio::runtime::Runtime, ControllerService) {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .expect("runtime");
-    let dir = tempfile::tempdir().expect("tempdir");
-    let state = dir.path().join("state");
-    let store = StateStore::open(&state).expect("state");
+    let store = StateStore::open(state).expect("state");
     let volumes = Volumes::open(Arc::new(Fake::new(1 << 30)), store, 4 << 20).expect("volumes");
     let service = ControllerService {
         volumes: Arc::new(volumes),
         node_id: "node-1".into(),
         topology_key: "pmem-csi.intel.com/node".into(),
     };
+    (runtime, service)
+}
+
+#[test]
+fn create_volume_requests() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = dir.path().join("state");
+    let (runtime, service) = fake_node(&state);
     fuzz("CreateVolume requests", create_request(), |request| {
         runtime.block_on(async {
             let required = request
@@ -853,18 +859,8 @@ fn create_volume_requests() {
 /// rounding overflowed answered OutOfRange naming no field.
 #[test]
 fn found_by_fuzzing() {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
     let dir = tempfile::tempdir().expect("tempdir");
-    let store = StateStore::open(dir.path()).expect("state");
-    let volumes = Volumes::open(Arc::new(Fake::new(1 << 30)), store, 4 << 20).expect("volumes");
-    let service = ControllerService {
-        volumes: Arc::new(volumes),
-        node_id: "node-1".into(),
-        topology_key: "pmem-csi.intel.com/node".into(),
-    };
+    let (runtime, service) = fake_node(dir.path());
     let block = VolumeCapability {
         access_mode: Some(AccessMode { mode: 1 }),
         access_type: Some(AccessType::Block(BlockVolume {})),
