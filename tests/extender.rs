@@ -618,7 +618,6 @@ fn cpu(amount: &str) -> ResourceRequirements {
 /// until the watches have listed the pods bound since.
 #[tokio::test]
 async fn no_fits_before_the_caches_have_synced() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
@@ -652,37 +651,23 @@ async fn no_fits_before_the_caches_have_synced() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .expect("pmem-csi extender");
-    let body = std::fs::read_to_string(
+    let body = std::fs::read(
         std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("testdata/extender/good/filter-nodenames.json"),
     )
     .expect("filter request");
-    let answer = until("an answer from /filter", WAIT, || async {
-        let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", route))
-            .await
-            .map_err(|e| e.to_string())?;
-        let request = format!(
-            "POST /filter HTTP/1.1\r\nHost: extender\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
-        );
-        stream
-            .write_all(request.as_bytes())
-            .await
-            .map_err(|e| e.to_string())?;
-        let mut response = String::new();
-        stream
-            .read_to_string(&mut response)
-            .await
-            .map_err(|e| e.to_string())?;
-        Ok(response)
+    let route = std::net::SocketAddr::from(([127, 0, 0, 1], route));
+    let answer = until("an answer from /filter", WAIT, || {
+        testenv::http_client::http(route, "POST", "/filter", &body)
     })
     .await;
     let _ = extender.kill();
     let _ = extender.wait();
     let answer = answer.expect("answered");
-    assert!(
-        answer.starts_with("HTTP/1.1 503"),
-        "a fit before the caches synced: {answer}"
+    assert_eq!(
+        answer.status, 503,
+        "a fit before the caches synced: {}",
+        answer.body
     );
-    assert!(answer.contains("not synced"), "{answer}");
+    assert!(answer.body.contains("not synced"), "{}", answer.body);
 }

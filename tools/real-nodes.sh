@@ -498,7 +498,7 @@ spec:
   terminationGracePeriodSeconds: 1
   containers:
   - name: busybox
-    image: localhost/busybox:pmem-csi-e2e
+    image: $BUSYBOX_IMAGE
     imagePullPolicy: Never
     command: [sh, -c, 'echo hello from \$(hostname); exec sleep 100000']
 ---
@@ -519,7 +519,7 @@ spec:
   terminationGracePeriodSeconds: 1
   containers:
   - name: busybox
-    image: localhost/busybox:pmem-csi-e2e
+    image: $BUSYBOX_IMAGE
     imagePullPolicy: Never
     securityContext: {privileged: true}
     terminationMessagePath: /tmp/termination-log
@@ -592,7 +592,7 @@ spec:
       terminationGracePeriodSeconds: 1
       containers:
       - name: httpd
-        image: localhost/busybox:pmem-csi-e2e
+        image: $BUSYBOX_IMAGE
         imagePullPolicy: Never
         command: [sh, -c, 'mkdir -p /www && hostname > /www/index.html && exec httpd -f -p 8080 -h /www']
         ports: [{containerPort: 8080}]
