@@ -346,9 +346,20 @@ impl TestEnv {
         if let (Some(args), Some((route, admin))) = (builder.extender.take(), extender_ports) {
             let address = SocketAddr::from(([127, 0, 0, 1], route));
             let admin = SocketAddr::from(([127, 0, 0, 1], admin));
+            // The manifests' emptyDir, as a directory of this testenv: it outlives restarts of
+            // the supervised extender as the emptyDir outlives container restarts.
+            let state = env.dir().join("extender-state");
+            std::fs::create_dir_all(&state).map_err(|source| TestEnvError::WorkDir {
+                parent: state.clone(),
+                source,
+            })?;
             let overrides = manifests::Overrides::new()
                 .set("--extender-address", address.to_string())
                 .set("--admin-address", admin.to_string())
+                .set(
+                    "--reservations-file",
+                    state.join("reservations.jsonl").display().to_string(),
+                )
                 .and(&env.driver_name_override())
                 .and(&manifests::Overrides::from_args(&args));
             let mut spec = env.our_process(
