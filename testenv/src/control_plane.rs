@@ -91,6 +91,8 @@ pub struct ControlPlane {
     pub ca_file: PathBuf,
     /// Admin kubeconfig (client certificate in `system:masters`).
     pub admin_kubeconfig: PathBuf,
+    /// The audit log of our ServiceAccounts' requests ([`audit::parse_log`] reads it).
+    pub audit_log: PathBuf,
     components: Vec<Component>,
 }
 
@@ -300,6 +302,7 @@ impl ControlPlane {
             server,
             ca_file: files.ca,
             admin_kubeconfig,
+            audit_log,
             components,
         })
     }

@@ -595,6 +595,13 @@ impl TestEnv {
         control_plane::client_from(&self.admin_kubeconfig(), "admin").await
     }
 
+    /// The apiserver's audit log of our ServiceAccounts' requests.
+    pub fn audit_log(&self) -> PathBuf {
+        self.control_plane()
+            .map(|c| c.audit_log.clone())
+            .unwrap_or_default()
+    }
+
     /// The admin kubeconfig.
     pub fn admin_kubeconfig(&self) -> PathBuf {
         self.control_plane()
