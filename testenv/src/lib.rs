@@ -877,6 +877,52 @@ impl TestEnv {
         }
     }
 
+    /// Sends `signal` to the extender, which its supervisor restarts (fault tests).
+    pub fn signal_extender(
+        &self,
+        signal: rustix::process::Signal,
+    ) -> Result<(), process::ProcessError> {
+        match &self.extender {
+            Some(e) => e.process.signal(signal),
+            None => Err(process::ProcessError::Signal {
+                what: "extender".into(),
+                source: rustix::io::Errno::SRCH,
+            }),
+        }
+    }
+
+    /// Sends `signal` to the controller testenv runs, which its supervisor restarts.
+    pub fn signal_controller(
+        &self,
+        signal: rustix::process::Signal,
+    ) -> Result<(), process::ProcessError> {
+        match &self.controller {
+            Some(c) => c.process.signal(signal),
+            None => Err(process::ProcessError::Signal {
+                what: "controller".into(),
+                source: rustix::io::Errno::SRCH,
+            }),
+        }
+    }
+
+    /// How often the extender's supervisor restarted it, when testenv runs it.
+    pub fn extender_restarts(&self) -> Option<u32> {
+        self.extender.as_ref().map(|e| e.process.state().restarts)
+    }
+
+    /// How often the controller's supervisor restarted it, when testenv runs it.
+    pub fn controller_restarts(&self) -> Option<u32> {
+        self.controller.as_ref().map(|c| c.process.state().restarts)
+    }
+
+    /// Restarts control-plane component `name` (see [`ControlPlane::restart`]).
+    pub async fn restart_control_plane(&self, name: &str) -> Result<(), ControlPlaneError> {
+        match self.control_plane() {
+            Some(c) => c.restart(name).await,
+            None => Err(ControlPlaneError::Unknown(name.to_owned())),
+        }
+    }
+
     /// The restart counts of `node`'s driver and provisioner, if testenv runs them.
     pub fn node_restarts(&self, node: &str) -> Option<(u32, u32)> {
         self.node_processes
