@@ -628,6 +628,22 @@ mod tests {
         New,
     }
 
+    /// name, stored, remembered, injected, later, then the wanted CA choice, CA, leaf action,
+    /// leaf signer (`Some(None)`: no leaf), whether the leaf is kept as is, and the bundle.
+    type Case = (
+        &'static str,
+        StoredSecret,
+        Option<Contents>,
+        Option<Vec<Option<String>>>,
+        time::Duration,
+        CaChoice,
+        Ca,
+        LeafAction,
+        Option<Option<Ca>>,
+        bool,
+        Vec<Ca>,
+    );
+
     #[test]
     fn plan_pass_table() {
         let now = OffsetDateTime::now_utc().replace_nanosecond(0).expect("ns");
@@ -676,8 +692,7 @@ mod tests {
         use LeafAction::*;
         use ReissueReason::*;
         #[rustfmt::skip]
-        let cases: Vec<(&str, StoredSecret, Option<Contents>, Option<Vec<Option<String>>>, time::Duration,
-                        CaChoice, Ca, LeafAction, Option<Option<Ca>>, bool, Vec<Ca>)> = vec![
+        let cases: Vec<Case> = vec![
             // name, stored, remembered, injected, later,
             //   ca choice, CA, leaf action, leaf signer (Some(None): no leaf), leaf kept as is, bundle
             ("fresh install", StoredSecret::default(), None, None, time::Duration::ZERO,
