@@ -124,3 +124,16 @@ bench: tools
 # Re-render BENCHMARKS.md from the committed results.
 bench-render:
     cargo run --quiet -p bench -- render
+
+# The fault-injection suite (e2e/tests/faults.rs, also part of `just test`) RUNS times in a row;
+# the time to converge per fault goes into bench/results/ and BENCHMARKS.md.
+faults RUNS="3": tools
+    #!/usr/bin/env bash
+    set -euo pipefail
+    figures=$(mktemp)
+    trap 'rm -f "$figures"' EXIT
+    for i in $(seq {{RUNS}}); do
+        echo "fault suite, run $i of {{RUNS}}"
+        env -u KUBECONFIG PMEM_CSI_FAULT_FIGURES="$figures" cargo test -p e2e --test faults -- --test-threads=1
+    done
+    cargo run --quiet -p bench -- import-faults "$figures"

@@ -5,6 +5,7 @@
 mod cluster_scale;
 mod driver_ops;
 mod end_to_end;
+mod faults;
 mod http_load;
 mod report;
 mod webhook_load;
@@ -45,6 +46,12 @@ enum Command {
         /// no result file (experiments).
         #[arg(long)]
         e2e_only: bool,
+    },
+    /// Turn the fault suite's figures (`just faults`) into `bench/results/<date>-<sha>-faults.json`
+    /// and render BENCHMARKS.md.
+    ImportFaults {
+        /// The figures file the runs of `e2e/tests/faults.rs` appended to.
+        figures: PathBuf,
     },
     /// Render BENCHMARKS.md from bench/results/.
     Render,
@@ -183,6 +190,23 @@ fn main() -> anyhow::Result<()> {
                 .with_context(|| format!("writing {}", markdown.display()))?;
             let missed = results.missed();
             anyhow::ensure!(missed.is_empty(), "targets missed: {}", missed.join("; "));
+        }
+        Command::ImportFaults { figures } => {
+            let text = std::fs::read_to_string(&figures)
+                .with_context(|| format!("reading {}", figures.display()))?;
+            let results = Results {
+                date: report::today()?,
+                sha: report::git_sha(&root)?,
+                timestamp: std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs()),
+                machine: Machine::current(),
+                benchmarks: faults::import(&text)?,
+            };
+            let path = results.write_named(&results_dir, "faults")?;
+            println!("wrote {}", path.display());
+            std::fs::write(&markdown, report::render(&results_dir)?)
+                .with_context(|| format!("writing {}", markdown.display()))?;
         }
         Command::Render => {
             std::fs::write(&markdown, report::render(&results_dir)?)

@@ -208,8 +208,18 @@ impl Results {
 
     /// Writes `<dir>/<date>-<sha>.json`.
     pub fn write(&self, dir: &Path) -> anyhow::Result<PathBuf> {
+        self.write_to(dir, format!("{}-{}.json", self.date, self.sha))
+    }
+
+    /// Writes `<dir>/<date>-<sha>-<what>.json` (results of another kind than `just bench`'s,
+    /// which must not replace a bench run of the same commit).
+    pub fn write_named(&self, dir: &Path, what: &str) -> anyhow::Result<PathBuf> {
+        self.write_to(dir, format!("{}-{}-{what}.json", self.date, self.sha))
+    }
+
+    fn write_to(&self, dir: &Path, file: String) -> anyhow::Result<PathBuf> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        let path = dir.join(format!("{}-{}.json", self.date, self.sha));
+        let path = dir.join(file);
         let text = serde_json::to_string_pretty(self)?;
         std::fs::write(&path, text + "\n")
             .with_context(|| format!("writing {}", path.display()))?;

@@ -9,7 +9,8 @@
 //!
 //! Each scenario prints one `fault-figures` line: the time from the fault to convergence and
 //! what was retried on the way (filter calls answered 503, FailedScheduling and
-//! ProvisioningFailed events, process restarts).
+//! ProvisioningFailed events, process restarts); `just faults` runs the suite three times and
+//! renders those figures into BENCHMARKS.md.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -169,19 +170,37 @@ async fn converged(
     took
 }
 
-fn report(fault: &str, took: Duration, before: &Retries, after: &Retries) {
-    eprintln!(
-        "fault-figures fault={fault:?} converged_s={:.1} filter_503={} failed_scheduling={} provisioning_failed={} restarts={}",
-        took.as_secs_f64(),
-        after.filter_503.saturating_sub(before.filter_503),
-        after
-            .failed_scheduling
-            .saturating_sub(before.failed_scheduling),
-        after
-            .provisioning_failed
-            .saturating_sub(before.provisioning_failed),
-        after.restarts.saturating_sub(before.restarts),
-    );
+/// Where `just faults` collects the figures of its runs (one JSON object per line), which
+/// `pmem-csi-bench import-faults` turns into a result file for BENCHMARKS.md.
+const FIGURES_ENV: &str = "PMEM_CSI_FAULT_FIGURES";
+
+fn report(fault: &str, pods: usize, took: Duration, before: &Retries, after: &Retries) {
+    let figures = serde_json::json!({
+        "fault": fault,
+        "pods": pods,
+        "converged_s": took.as_secs_f64(),
+        // The extender's counter restarts with it: after its SIGKILL this counts the new
+        // process's 503s only.
+        "filter_503": after.filter_503.saturating_sub(before.filter_503),
+        "failed_scheduling": after.failed_scheduling.saturating_sub(before.failed_scheduling),
+        "provisioning_failed": after.provisioning_failed.saturating_sub(before.provisioning_failed),
+        "restarts": after.restarts.saturating_sub(before.restarts),
+    });
+    eprintln!("fault-figures {figures}");
+    if let Some(path) = std::env::var_os(FIGURES_ENV) {
+        use std::io::Write;
+        let written = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .and_then(|mut f| writeln!(f, "{figures}"));
+        if let Err(e) = written {
+            panic!(
+                "writing the figures to {}: {e}",
+                std::path::Path::new(&path).display()
+            );
+        }
+    }
 }
 
 /// A burst with `inject` run once the burst is created; checks convergence and reports.
@@ -201,7 +220,7 @@ where
     let pods: Vec<String> = (0..PODS).map(|i| format!("burst-{i}")).collect();
     let took = converged(env, &s, &pods, size, started).await;
     let after = retries(env, &s).await;
-    report(fault, took, &before, &after);
+    report(fault, pods.len(), took, &before, &after);
     s.finish().await.expect("leak check");
 }
 
@@ -269,7 +288,7 @@ async fn f3_extender_killed_during_a_burst() {
         env.extender_restarts().unwrap_or(0) >= 1,
         "the extender was restarted"
     );
-    report("extender SIGKILLed", took, &before, &after);
+    report("extender SIGKILLed", pods.len(), took, &before, &after);
     s.finish().await.expect("leak check");
 }
 
@@ -341,6 +360,12 @@ async fn f5_leading_controller_killed_while_claims_wait_for_rescheduling() {
         after.restarts > before.restarts,
         "the controller restarted: {after:?}"
     );
-    report("leading controller SIGKILLed", took, &before, &after);
+    report(
+        "leading controller SIGKILLed while claims wait for rescheduling",
+        pods.len(),
+        took,
+        &before,
+        &after,
+    );
     s.finish().await.expect("leak check");
 }
