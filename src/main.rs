@@ -151,12 +151,10 @@ async fn main() -> anyhow::Result<()> {
             );
             if let Some(period) = node.config().heartbeat_period {
                 let c = node.config();
-                let own = controllers::rate_limit::client(
-                    controllers::heartbeat::KUBE_API_QPS,
-                    controllers::heartbeat::KUBE_API_BURST,
-                )
-                .await
-                .context("connecting to the apiserver for the heartbeat")?;
+                let (qps, burst) = controllers::heartbeat::client_budget(period);
+                let own = controllers::rate_limit::client(qps, burst)
+                    .await
+                    .context("connecting to the apiserver for the heartbeat")?;
                 work.spawn(
                     controllers::heartbeat::run(
                         own,

@@ -251,3 +251,198 @@ pub async fn capacity_latency(
         flags: serde_json::json!({"debounce_ms": 500, "poll_ms": 10, "backend": "fake"}),
     })
 }
+
+/// A node holding `volumes` volumes, each referenced by a PV, in a cluster of `pvs` PVs of the
+/// driver (the others on other nodes): what the node's apiserver requests cost per minute over
+/// `window` once it has started, and how late its heartbeat gets. The orphan grace is 2 s, so
+/// that every volume is judged every second (the production grace of 10 minutes judges them
+/// once a minute).
+pub async fn sweep_cost(
+    env: &TestEnv,
+    work: &Path,
+    volumes: usize,
+    pvs: usize,
+    window: Duration,
+) -> anyhow::Result<Vec<Benchmark>> {
+    use k8s_openapi::api::coordination::v1::Lease;
+    use k8s_openapi::api::core::v1::{
+        CSIPersistentVolumeSource, PersistentVolume, PersistentVolumeSpec,
+    };
+    let client = env.client().await?;
+    let ns = testenv::test_namespace(&client, "sweep-cost").await?;
+    let node = format!("{ns}-node");
+    NodeSpec::with_driver(&node).create(&client, DRIVER).await?;
+    let root = tempfile::tempdir_in(work)?;
+    let dirs = NodeDriverDirs::under(root.path());
+    let period = Duration::from_secs(1);
+    let mut options = testenv::node_processes::DriverOptions::fake("1Ti", &["--orphan-grace=2s"]);
+    options.env.push(("RUST_LOG".into(), "warn".into()));
+    let driver = env.supervise_node_driver(&node, &dirs, &options)?;
+    testenv::node_driver::wait_for_path(&dirs.socket, Duration::from_secs(60)).await?;
+    let mut csi = ControllerClient::new(driver::client::connect(&dirs.socket).await?);
+    let pv = |name: String, handle: String, on: &str| PersistentVolume {
+        metadata: ObjectMeta {
+            name: Some(name),
+            ..Default::default()
+        },
+        spec: Some(PersistentVolumeSpec {
+            capacity: Some(BTreeMap::from([(
+                "storage".to_string(),
+                Quantity("4Mi".into()),
+            )])),
+            access_modes: Some(vec!["ReadWriteOnce".into()]),
+            csi: Some(CSIPersistentVolumeSource {
+                driver: DRIVER.into(),
+                volume_handle: handle,
+                ..Default::default()
+            }),
+            node_affinity: Some(pinned_to(on)),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let pv_api = Api::<PersistentVolume>::all(client.clone());
+    // This node's volumes, each with its PV (created first, as the sweep would otherwise be
+    // right to delete a volume without one).
+    for i in 0..volumes {
+        let name = format!("{ns}-pv-{i}");
+        let id = driver::volume_id::volume_id(&name);
+        pv_api
+            .create(&PostParams::default(), &pv(name.clone(), id, &node))
+            .await?;
+        csi.create_volume(CreateVolumeRequest {
+            name: name.clone(),
+            capacity_range: Some(CapacityRange {
+                required_bytes: 4 << 20,
+                limit_bytes: 0,
+            }),
+            volume_capabilities: vec![VolumeCapability {
+                access_mode: Some(AccessMode {
+                    mode: Mode::SingleNodeWriter as i32,
+                }),
+                access_type: Some(AccessType::Mount(MountVolume::default())),
+            }],
+            parameters: std::collections::HashMap::from([
+                (
+                    "csi.storage.k8s.io/pvc/name".to_string(),
+                    format!("claim-{i}"),
+                ),
+                ("csi.storage.k8s.io/pvc/namespace".to_string(), ns.clone()),
+                ("csi.storage.k8s.io/pv/name".to_string(), name),
+            ]),
+            ..Default::default()
+        })
+        .await?;
+    }
+    // The rest of the cluster's PVs, on other nodes.
+    futures::stream::iter((volumes..pvs).map(|i| {
+        let (pv_api, name) = (pv_api.clone(), format!("{ns}-pv-{i}"));
+        let object = pv(
+            name.clone(),
+            format!("elsewhere-{i}"),
+            &format!("{ns}-other-{}", i % 100),
+        );
+        async move {
+            pv_api
+                .create(&PostParams::default(), &object)
+                .await
+                .map(|_| ())
+        }
+    }))
+    .buffer_unordered(32)
+    .try_collect::<Vec<()>>()
+    .await
+    .context("creating PVs")?;
+
+    // The window: the node's audited requests, and the heartbeat's renewals.
+    let user = testenv::audit::service_account_user("pmem-csi", "pmem-csi-intel-com-node");
+    let audited = || -> anyhow::Result<Vec<testenv::audit::Request>> {
+        let text = std::fs::read_to_string(env.audit_log()).context("audit log")?;
+        Ok(testenv::audit::parse_log(&text)
+            .0
+            .into_iter()
+            .filter(|r| r.user == user)
+            .collect())
+    };
+    let before = audited()?.len();
+    let leases = Api::<Lease>::namespaced(client.clone(), "pmem-csi");
+    let lease = controllers::liveness_view::heartbeat_lease_name(DRIVER, &node);
+    let mut renewals: Vec<k8s_openapi::jiff::Timestamp> = Vec::new();
+    let start = Instant::now();
+    while start.elapsed() < window {
+        if let Some(t) = leases
+            .get_opt(&lease)
+            .await?
+            .and_then(|l| l.spec?.renew_time)
+            && renewals.last() != Some(&t.0)
+        {
+            renewals.push(t.0);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let in_window: Vec<testenv::audit::Request> = audited()?.split_off(before);
+    driver.stop().await;
+    let minutes = window.as_secs_f64() / 60.0;
+    let heartbeat = |r: &testenv::audit::Request| r.resource == "leases";
+    let other = in_window.iter().filter(|r| !heartbeat(r)).count();
+    let mut by_kind: BTreeMap<String, usize> = BTreeMap::new();
+    for r in &in_window {
+        *by_kind
+            .entry(format!("{} {}", r.verb, r.resource))
+            .or_default() += 1;
+    }
+    let delays: Vec<f64> = renewals
+        .windows(2)
+        .map(|w| {
+            let gap = Duration::try_from(w[1] - w[0]).unwrap_or(Duration::MAX);
+            gap.saturating_sub(period).as_secs_f64()
+        })
+        .collect();
+    anyhow::ensure!(
+        !delays.is_empty(),
+        "no heartbeat renewals seen in {window:?}"
+    );
+    let flags = serde_json::json!({
+        "volumes_on_node": volumes, "pvs_in_cluster": pvs, "window_s": window.as_secs(),
+        "orphan_grace": "2s", "heartbeat_period": "1s", "requests_in_window": by_kind,
+    });
+    Ok(vec![
+        Benchmark {
+            name: "sweep-node-requests-per-minute".into(),
+            description: format!("apiserver requests per minute of a node with {volumes} volumes (all referenced by PVs) in a cluster of {pvs} PVs, besides its heartbeat: the orphan sweep judging every volume each second and the capacity publisher, once started (audit log)"),
+            unit: "req/min".into(),
+            samples: vec![other as f64 / minutes],
+            secondary: vec![],
+            target: Target { p50_max: Some(10.0), ..Target::none() },
+            flags: flags.clone(),
+        },
+        Benchmark {
+            name: "sweep-node-heartbeat-delay".into(),
+            description: "seconds each heartbeat renewal came later than its period (1 s) on that node, from the Lease's renewTime".into(),
+            unit: "s".into(),
+            samples: delays,
+            secondary: vec![],
+            target: Target { max: Some(1.0), ..Target::none() },
+            flags,
+        },
+    ])
+}
+
+/// A PV's node affinity to `node` by the driver's topology key.
+fn pinned_to(node: &str) -> k8s_openapi::api::core::v1::VolumeNodeAffinity {
+    use k8s_openapi::api::core::v1::{
+        NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, VolumeNodeAffinity,
+    };
+    VolumeNodeAffinity {
+        required: Some(NodeSelector {
+            node_selector_terms: vec![NodeSelectorTerm {
+                match_expressions: Some(vec![NodeSelectorRequirement {
+                    key: format!("{DRIVER}/node"),
+                    operator: "In".into(),
+                    values: Some(vec![node.into()]),
+                }]),
+                ..Default::default()
+            }],
+        }),
+    }
+}

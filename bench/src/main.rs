@@ -46,6 +46,10 @@ enum Command {
         /// no result file (experiments).
         #[arg(long)]
         e2e_only: bool,
+        /// Run only the node's apiserver cost (orphan sweep, heartbeat); without --smoke, write
+        /// `bench/results/<date>-<sha>-sweep.json` and render BENCHMARKS.md.
+        #[arg(long)]
+        sweep_only: bool,
     },
     /// Turn the fault suite's figures (`just faults`) into `bench/results/<date>-<sha>-faults.json`
     /// and render BENCHMARKS.md.
@@ -104,6 +108,7 @@ fn main() -> anyhow::Result<()> {
             driver_only,
             load_only,
             e2e_only,
+            sweep_only,
         } => {
             let samples = if smoke { 1 } else { samples.max(1) };
             let runtime = tokio::runtime::Runtime::new().context("tokio runtime")?;
@@ -118,6 +123,46 @@ fn main() -> anyhow::Result<()> {
                 print_quantiles(&benchmarks);
                 for b in &benchmarks {
                     println!("{}: {}", b.name, b.description);
+                }
+                return Ok(());
+            }
+            if sweep_only {
+                let (volumes, pvs, window) = if smoke {
+                    (20, 200, Duration::from_secs(5))
+                } else {
+                    (500, 10_000, Duration::from_secs(60))
+                };
+                let benchmarks = runtime.block_on(async {
+                    let env = testenv::TestEnv::builder()
+                        .start()
+                        .await
+                        .context("starting testenv")?;
+                    let out = cluster_scale::sweep_cost(&env, &root, volumes, pvs, window).await;
+                    let leftovers = env.stop().await;
+                    let remaining = leftovers.wait_clean(Duration::from_secs(20)).await;
+                    anyhow::ensure!(remaining.is_empty(), "left behind: {remaining:?}");
+                    out
+                })?;
+                print_quantiles(&benchmarks);
+                for b in &benchmarks {
+                    println!("{}: {}", b.name, b.flags);
+                }
+                if !smoke {
+                    let results = Results {
+                        date: report::today()?,
+                        sha: report::git_sha(&root)?,
+                        timestamp: std::time::SystemTime::now()
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .map_or(0, |d| d.as_secs()),
+                        machine: Machine::current(),
+                        benchmarks,
+                    };
+                    let path = results.write_named(&results_dir, "sweep")?;
+                    println!("wrote {}", path.display());
+                    std::fs::write(&markdown, report::render(&results_dir)?)
+                        .with_context(|| format!("writing {}", markdown.display()))?;
+                    let missed = results.missed();
+                    anyhow::ensure!(missed.is_empty(), "targets missed: {}", missed.join("; "));
                 }
                 return Ok(());
             }
@@ -155,6 +200,12 @@ fn main() -> anyhow::Result<()> {
                     cluster_scale::capacity_latency(&env, &root, if smoke { 5 } else { 200 })
                         .await?,
                 );
+                let (volumes, pvs, window) = if smoke {
+                    (20, 200, Duration::from_secs(5))
+                } else {
+                    (500, 10_000, Duration::from_secs(60))
+                };
+                out.extend(cluster_scale::sweep_cost(&env, &root, volumes, pvs, window).await?);
                 let leftovers = env.stop().await;
                 let remaining = leftovers.wait_clean(Duration::from_secs(20)).await;
                 anyhow::ensure!(remaining.is_empty(), "left behind: {remaining:?}");

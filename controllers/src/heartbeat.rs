@@ -17,12 +17,14 @@ use crate::liveness_view::heartbeat_lease_name;
 /// A Lease is valid for this many renew periods, so one late renewal does not expire it.
 pub const PERIODS_PER_LEASE: u32 = 3;
 
-/// Requests per second of the heartbeat's own client. It has its own, so that a node busy
-/// with the publisher and the sweep (which share the node's `--kube-api-qps`) never queues a
-/// renewal behind them: two requests per period is all it needs.
-pub const KUBE_API_QPS: f64 = 1.0;
-/// Burst of the heartbeat's own client.
-pub const KUBE_API_BURST: u32 = 4;
+/// Requests per second and burst of the heartbeat's own client for renewals every `period`.
+/// It has its own, so that a node busy with the publisher and the sweep (which share the
+/// node's `--kube-api-qps`) never queues a renewal behind them. A renewal is two requests (read,
+/// then write); twice that per period leaves room for a retry.
+pub fn client_budget(period: Duration) -> (f64, u32) {
+    let per_second = 4.0 / period.as_secs_f64().max(0.001);
+    (per_second, 4)
+}
 
 /// The Lease object for `node` renewed now.
 pub fn lease(
@@ -112,6 +114,15 @@ pub async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn client_budget_table() {
+        for (period, qps) in [(10, 0.4), (1, 4.0), (2, 2.0)] {
+            let (got, burst) = client_budget(Duration::from_secs(period));
+            assert!((got - qps).abs() < 1e-9, "{period}s: {got}");
+            assert_eq!(burst, 4);
+        }
+    }
 
     #[test]
     fn lease_shape() {
