@@ -2,18 +2,15 @@
 //! claim is gone or went to another node are deleted after `--orphan-grace`; volumes a PV
 //! refers to, or whose claim is still pending here, stay.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::time::Duration;
 
 use driver::csi::controller_client::ControllerClient;
 use driver::csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
 use driver::csi::{CapacityRange, CreateVolumeRequest, VolumeCapability};
-use k8s_openapi::api::core::v1::{
-    CSIPersistentVolumeSource, PersistentVolume, PersistentVolumeClaim, PersistentVolumeSpec,
-};
-use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use kube::Api;
-use kube::api::{ObjectMeta, PostParams};
+use kube::api::PostParams;
 use testenv::node_driver::NodeDriverDirs;
 use testenv::node_processes::DriverOptions;
 use testenv::objects;
@@ -116,26 +113,12 @@ async fn deletes_orphans_keeps_the_rest() {
     Api::<PersistentVolume>::all(client.clone())
         .create(
             &pp,
-            &PersistentVolume {
-                metadata: ObjectMeta {
-                    name: Some(format!("pvc-{ns}-referenced")),
-                    ..Default::default()
-                },
-                spec: Some(PersistentVolumeSpec {
-                    capacity: Some(BTreeMap::from([(
-                        "storage".to_string(),
-                        Quantity("4Mi".into()),
-                    )])),
-                    access_modes: Some(vec!["ReadWriteOnce".into()]),
-                    csi: Some(CSIPersistentVolumeSource {
-                        driver: DRIVER.into(),
-                        volume_handle: referenced_id.clone(),
-                        ..Default::default()
-                    }),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            },
+            &objects::csi_volume(
+                &format!("pvc-{ns}-referenced"),
+                DRIVER,
+                &referenced_id,
+                None,
+            ),
         )
         .await
         .expect("pv");

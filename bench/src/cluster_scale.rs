@@ -265,9 +265,7 @@ pub async fn sweep_cost(
     window: Duration,
 ) -> anyhow::Result<Vec<Benchmark>> {
     use k8s_openapi::api::coordination::v1::Lease;
-    use k8s_openapi::api::core::v1::{
-        CSIPersistentVolumeSource, PersistentVolume, PersistentVolumeSpec,
-    };
+    use k8s_openapi::api::core::v1::PersistentVolume;
     let client = env.client().await?;
     let ns = testenv::test_namespace(&client, "sweep-cost").await?;
     let node = format!("{ns}-node");
@@ -280,26 +278,8 @@ pub async fn sweep_cost(
     let driver = env.supervise_node_driver(&node, &dirs, &options)?;
     testenv::node_driver::wait_for_path(&dirs.socket, Duration::from_secs(60)).await?;
     let mut csi = ControllerClient::new(driver::client::connect(&dirs.socket).await?);
-    let pv = |name: String, handle: String, on: &str| PersistentVolume {
-        metadata: ObjectMeta {
-            name: Some(name),
-            ..Default::default()
-        },
-        spec: Some(PersistentVolumeSpec {
-            capacity: Some(BTreeMap::from([(
-                "storage".to_string(),
-                Quantity("4Mi".into()),
-            )])),
-            access_modes: Some(vec!["ReadWriteOnce".into()]),
-            csi: Some(CSIPersistentVolumeSource {
-                driver: DRIVER.into(),
-                volume_handle: handle,
-                ..Default::default()
-            }),
-            node_affinity: Some(pinned_to(on)),
-            ..Default::default()
-        }),
-        ..Default::default()
+    let pv = |name: String, handle: String, on: &str| {
+        testenv::objects::csi_volume(&name, DRIVER, &handle, Some(on))
     };
     let pv_api = Api::<PersistentVolume>::all(client.clone());
     // This node's volumes, each with its PV (created first, as the sweep would otherwise be
@@ -426,23 +406,4 @@ pub async fn sweep_cost(
             flags,
         },
     ])
-}
-
-/// A PV's node affinity to `node` by the driver's topology key.
-fn pinned_to(node: &str) -> k8s_openapi::api::core::v1::VolumeNodeAffinity {
-    use k8s_openapi::api::core::v1::{
-        NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, VolumeNodeAffinity,
-    };
-    VolumeNodeAffinity {
-        required: Some(NodeSelector {
-            node_selector_terms: vec![NodeSelectorTerm {
-                match_expressions: Some(vec![NodeSelectorRequirement {
-                    key: format!("{DRIVER}/node"),
-                    operator: "In".into(),
-                    values: Some(vec![node.into()]),
-                }]),
-                ..Default::default()
-            }],
-        }),
-    }
 }

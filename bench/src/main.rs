@@ -10,7 +10,7 @@ mod http_load;
 mod report;
 mod webhook_load;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -73,6 +73,33 @@ fn repo_root() -> anyhow::Result<PathBuf> {
         dir.display()
     );
     Ok(dir)
+}
+
+/// Writes `benchmarks` as a result file of this commit (`<date>-<sha>.json`, or
+/// `<date>-<sha>-<what>.json` for results of another kind), renders BENCHMARKS.md, and fails
+/// when a target is missed.
+fn publish(root: &Path, benchmarks: Vec<Benchmark>, what: Option<&str>) -> anyhow::Result<()> {
+    let results_dir = root.join("bench/results");
+    let markdown = root.join("BENCHMARKS.md");
+    let results = Results {
+        date: report::today()?,
+        sha: report::git_sha(root)?,
+        timestamp: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+        machine: Machine::current(),
+        benchmarks,
+    };
+    let path = match what {
+        Some(what) => results.write_named(&results_dir, what)?,
+        None => results.write(&results_dir)?,
+    };
+    println!("wrote {}", path.display());
+    std::fs::write(&markdown, report::render(&results_dir)?)
+        .with_context(|| format!("writing {}", markdown.display()))?;
+    let missed = results.missed();
+    anyhow::ensure!(missed.is_empty(), "targets missed: {}", missed.join("; "));
+    Ok(())
 }
 
 /// Prints p50, p99 and max of each benchmark (experiment runs, no result file).
@@ -148,21 +175,7 @@ fn main() -> anyhow::Result<()> {
                     println!("{}: {}", b.name, b.flags);
                 }
                 if !smoke {
-                    let results = Results {
-                        date: report::today()?,
-                        sha: report::git_sha(&root)?,
-                        timestamp: std::time::SystemTime::now()
-                            .duration_since(std::time::UNIX_EPOCH)
-                            .map_or(0, |d| d.as_secs()),
-                        machine: Machine::current(),
-                        benchmarks,
-                    };
-                    let path = results.write_named(&results_dir, "sweep")?;
-                    println!("wrote {}", path.display());
-                    std::fs::write(&markdown, report::render(&results_dir)?)
-                        .with_context(|| format!("writing {}", markdown.display()))?;
-                    let missed = results.missed();
-                    anyhow::ensure!(missed.is_empty(), "targets missed: {}", missed.join("; "));
+                    publish(&root, benchmarks, Some("sweep"))?;
                 }
                 return Ok(());
             }
@@ -226,38 +239,12 @@ fn main() -> anyhow::Result<()> {
                 }
                 return Ok(());
             }
-            let results = Results {
-                date: report::today()?,
-                sha: report::git_sha(&root)?,
-                timestamp: std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_secs()),
-                machine: Machine::current(),
-                benchmarks,
-            };
-            let path = results.write(&results_dir)?;
-            println!("wrote {}", path.display());
-            std::fs::write(&markdown, report::render(&results_dir)?)
-                .with_context(|| format!("writing {}", markdown.display()))?;
-            let missed = results.missed();
-            anyhow::ensure!(missed.is_empty(), "targets missed: {}", missed.join("; "));
+            publish(&root, benchmarks, None)?;
         }
         Command::ImportFaults { figures } => {
             let text = std::fs::read_to_string(&figures)
                 .with_context(|| format!("reading {}", figures.display()))?;
-            let results = Results {
-                date: report::today()?,
-                sha: report::git_sha(&root)?,
-                timestamp: std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_secs()),
-                machine: Machine::current(),
-                benchmarks: faults::import(&text)?,
-            };
-            let path = results.write_named(&results_dir, "faults")?;
-            println!("wrote {}", path.display());
-            std::fs::write(&markdown, report::render(&results_dir)?)
-                .with_context(|| format!("writing {}", markdown.display()))?;
+            publish(&root, faults::import(&text)?, Some("faults"))?;
         }
         Command::Render => {
             std::fs::write(&markdown, report::render(&results_dir)?)

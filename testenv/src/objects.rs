@@ -71,6 +71,52 @@ pub fn claim(namespace: &str, name: &str, class: &str, size: &str) -> Persistent
     }
 }
 
+/// A 4 MiB PV of CSI driver `driver` with volume handle `handle`, pinned to `node` by the
+/// driver's topology key (`<driver>/node`) when given, as the provisioner writes them.
+pub fn csi_volume(
+    name: &str,
+    driver: &str,
+    handle: &str,
+    node: Option<&str>,
+) -> k8s_openapi::api::core::v1::PersistentVolume {
+    use k8s_openapi::api::core::v1::{
+        CSIPersistentVolumeSource, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm,
+        PersistentVolume, PersistentVolumeSpec, VolumeNodeAffinity,
+    };
+    PersistentVolume {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            ..Default::default()
+        },
+        spec: Some(PersistentVolumeSpec {
+            capacity: Some(BTreeMap::from([(
+                "storage".to_string(),
+                Quantity("4Mi".into()),
+            )])),
+            access_modes: Some(vec!["ReadWriteOnce".into()]),
+            csi: Some(CSIPersistentVolumeSource {
+                driver: driver.into(),
+                volume_handle: handle.into(),
+                ..Default::default()
+            }),
+            node_affinity: node.map(|node| VolumeNodeAffinity {
+                required: Some(NodeSelector {
+                    node_selector_terms: vec![NodeSelectorTerm {
+                        match_expressions: Some(vec![NodeSelectorRequirement {
+                            key: format!("{driver}/node"),
+                            operator: "In".into(),
+                            values: Some(vec![node.into()]),
+                        }]),
+                        ..Default::default()
+                    }],
+                }),
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
 /// `claim` as if the scheduler had selected `node` for it.
 pub fn selected_for(mut claim: PersistentVolumeClaim, node: &str) -> PersistentVolumeClaim {
     claim
