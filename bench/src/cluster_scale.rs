@@ -273,7 +273,10 @@ pub async fn sweep_cost(
     let root = tempfile::tempdir_in(work)?;
     let dirs = NodeDriverDirs::under(root.path());
     let period = Duration::from_secs(1);
-    let mut options = testenv::node_processes::DriverOptions::fake("1Ti", &["--orphan-grace=2s"]);
+    let admin = testenv::ports::free_port()?;
+    let admin_flag = format!("--admin-address=127.0.0.1:{admin}");
+    let mut options =
+        testenv::node_processes::DriverOptions::fake("1Ti", &["--orphan-grace=2s", &admin_flag]);
     options.env.push(("RUST_LOG".into(), "warn".into()));
     let driver = env.supervise_node_driver(&node, &dirs, &options)?;
     testenv::node_driver::wait_for_path(&dirs.socket, Duration::from_secs(60)).await?;
@@ -334,6 +337,20 @@ pub async fn sweep_cost(
     .await
     .context("creating PVs")?;
 
+    // Steady state first: the sweep's cache holds every PV (a watch catching up with
+    // thousands of new PVs is a transient, checked below only for what it must not do).
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let text = testenv::objects::scrape_metrics(admin).await;
+        if metric(&text, "pmem_csi_orphan_sweep_known_pvs") >= pvs as u64 {
+            break;
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the sweep's cache never held all {pvs} PVs"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     // The window: the node's audited requests, and the heartbeat's renewals.
     let user = testenv::audit::service_account_user("pmem-csi", "pmem-csi-intel-com-node");
     let audited = || -> anyhow::Result<Vec<testenv::audit::Request>> {
@@ -361,10 +378,21 @@ pub async fn sweep_cost(
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let in_window: Vec<testenv::audit::Request> = audited()?.split_off(before);
+    let kept = driver::client::volume_ids(&mut csi).await?.len();
     driver.stop().await;
+    anyhow::ensure!(
+        kept == volumes,
+        "the orphan sweep deleted {} of the node's {volumes} volumes, all referenced by PVs",
+        volumes - kept.min(volumes)
+    );
     let minutes = window.as_secs_f64() / 60.0;
     let heartbeat = |r: &testenv::audit::Request| r.resource == "leases";
     let other = in_window.iter().filter(|r| !heartbeat(r)).count();
+    let claims_read: std::collections::BTreeSet<&str> = in_window
+        .iter()
+        .filter(|r| r.resource == "persistentvolumeclaims")
+        .map(|r| r.name.as_str())
+        .collect();
     let mut by_kind: BTreeMap<String, usize> = BTreeMap::new();
     for r in &in_window {
         *by_kind
@@ -385,6 +413,7 @@ pub async fn sweep_cost(
     let flags = serde_json::json!({
         "volumes_on_node": volumes, "pvs_in_cluster": pvs, "window_s": window.as_secs(),
         "orphan_grace": "2s", "heartbeat_period": "1s", "requests_in_window": by_kind,
+        "claims_read": claims_read.iter().take(10).collect::<Vec<_>>(),
     });
     Ok(vec![
         Benchmark {

@@ -16,6 +16,9 @@ struct Figures {
     /// Claims and pods of the burst.
     pods: u64,
     converged_s: f64,
+    /// Requests of ours the fault proxy answered with 429 or 5xx (absent in older figures).
+    #[serde(default)]
+    injected_429_5xx: u64,
     filter_503: u64,
     failed_scheduling: u64,
     provisioning_failed: u64,
@@ -66,8 +69,8 @@ pub fn import(text: &str) -> anyhow::Result<Vec<Benchmark>> {
                 "retried per run": runs
                     .iter()
                     .map(|r| format!(
-                        "filter 503 {}, FailedScheduling {}, ProvisioningFailed {}, restarts {}",
-                        r.filter_503, r.failed_scheduling, r.provisioning_failed, r.restarts
+                        "injected 429/5xx {}, filter 503 {}, FailedScheduling {}, ProvisioningFailed {}, restarts {}",
+                        r.injected_429_5xx, r.filter_503, r.failed_scheduling, r.provisioning_failed, r.restarts
                     ))
                     .collect::<Vec<_>>(),
             }),
@@ -94,7 +97,7 @@ mod tests {
         assert_eq!(benchmarks[0].samples, [9.5, 9.0]);
         assert_eq!(
             benchmarks[0].flags["retried per run"][1],
-            "filter 503 1, FailedScheduling 2, ProvisioningFailed 0, restarts 0"
+            "injected 429/5xx 0, filter 503 1, FailedScheduling 2, ProvisioningFailed 0, restarts 0"
         );
         assert!(import("").is_err());
         assert!(import("{not json").is_err());

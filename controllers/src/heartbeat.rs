@@ -74,7 +74,15 @@ pub async fn run(
 ) {
     let api = Api::<Lease>::namespaced(client, &namespace);
     let name = heartbeat_lease_name(&driver, &node);
+    // Renewals start every period, however long the last one took: sleeping a period after
+    // each would make every renewal late by the time the one before it took.
+    let mut ticks = tokio::time::interval(period);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
+        tokio::select! {
+            _ = ticks.tick() => {}
+            _ = shutdown.cancelled() => return,
+        }
         // A renewal that takes longer than a period is abandoned (a hung connection), so the
         // next one starts on time; the Lease lasts several periods.
         let renewal = async {
@@ -103,10 +111,6 @@ pub async fn run(
             Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::warn!(lease = name, "renewing the heartbeat: {e}"),
             Err(_) => tracing::warn!(lease = name, ?period, "renewing the heartbeat timed out"),
-        }
-        tokio::select! {
-            _ = tokio::time::sleep(period) => {}
-            _ = shutdown.cancelled() => return,
         }
     }
 }

@@ -244,11 +244,13 @@ pub trait SweepTarget: Send + Sync + 'static {
     fn delete(&self, id: &str) -> impl std::future::Future<Output = Result<(), String>> + Send;
 }
 
-/// `pmem_csi_orphans_deleted_total` and `pmem_csi_orphan_sweeps_total`.
+/// `pmem_csi_orphans_deleted_total`, `pmem_csi_orphan_sweeps_total` and
+/// `pmem_csi_orphan_sweep_known_pvs`.
 #[derive(Clone, Debug, Default)]
 pub struct OrphanMetrics {
     deleted: Counter,
     passes: Counter,
+    known_pvs: prometheus_client::metrics::gauge::Gauge,
 }
 
 impl OrphanMetrics {
@@ -264,6 +266,11 @@ impl OrphanMetrics {
             "pmem_csi_orphan_sweeps",
             "Orphan sweep passes completed",
             m.passes.clone(),
+        );
+        registry.register(
+            "pmem_csi_orphan_sweep_known_pvs",
+            "PVs of this driver in the orphan sweep's cache at its last pass",
+            m.known_pvs.clone(),
         );
         m
     }
@@ -311,6 +318,7 @@ impl OrphanSweep {
             };
             match sweep(
                 &self.client,
+                &self.driver,
                 &snapshot,
                 &self.node,
                 self.grace,
@@ -321,6 +329,9 @@ impl OrphanSweep {
             {
                 Ok(()) => {
                     self.metrics.passes.inc();
+                    self.metrics
+                        .known_pvs
+                        .set(i64::try_from(snapshot.len()).unwrap_or(i64::MAX));
                 }
                 Err(e) => tracing::warn!("orphan sweep: {e}"),
             }
@@ -379,8 +390,43 @@ async fn watch_pvs(api: Api<PersistentVolume>, driver: String, pvs: SharedPvs) {
     }
 }
 
+/// Whether a PV refers to volume `c` of `node`, read from the apiserver: its recorded PV by
+/// name, or, when no name was recorded, every PV (in pages; deletions are rare).
+async fn referenced_now(
+    client: &kube::Client,
+    driver: &str,
+    c: &SweepCandidate,
+    node: &str,
+) -> Result<bool, kube::Error> {
+    let api = Api::<PersistentVolume>::all(client.clone());
+    if let Some(name) = &c.pv_name {
+        return Ok(api
+            .get_opt(name)
+            .await?
+            .and_then(|pv| PvFacts::of(&pv, driver))
+            .is_some_and(|pv| pv.is_volume_of(&c.id, node)));
+    }
+    let mut params = kube::api::ListParams::default().limit(500);
+    loop {
+        let page = api.list(&params).await?;
+        if page
+            .items
+            .iter()
+            .filter_map(|pv| PvFacts::of(pv, driver))
+            .any(|pv| pv.is_volume_of(&c.id, node))
+        {
+            return Ok(true);
+        }
+        match page.metadata.continue_.filter(|t| !t.is_empty()) {
+            Some(token) => params = params.continue_token(&token),
+            None => return Ok(false),
+        }
+    }
+}
+
 async fn sweep<T: SweepTarget>(
     client: &kube::Client,
+    driver: &str,
     pvs: &PvIndex,
     node: &str,
     grace: Duration,
@@ -425,6 +471,15 @@ async fn sweep<T: SweepTarget>(
             claim_now,
         };
         if let OrphanVerdict::Delete(reason) = judge(&facts, node, grace) {
+            // The watch can lag (a relist in a cluster of many PVs): a deletion is confirmed
+            // by reading the PVs afresh, so that a stale cache never deletes a live volume.
+            if referenced_now(client, driver, &c, node).await? {
+                tracing::info!(
+                    id = c.id,
+                    "a PV the cache had not seen yet refers to the volume; kept"
+                );
+                continue;
+            }
             match target.delete(&c.id).await {
                 Ok(()) => {
                     metrics.deleted.inc();

@@ -5,7 +5,9 @@
 //!
 //! Faults: kube-apiserver restarted; etcd restarted (its data kept); the extender SIGKILLed
 //! during the burst; a node driver SIGKILLed while NodeStage is in flight; the leading
-//! controller SIGKILLed while claims wait to be rescheduled off a driverless node.
+//! controller SIGKILLed while claims wait to be rescheduled off a driverless node; the apiserver
+//! answering 429, 500 and 503 to every request of ours for a while (testenv's fault proxy sits
+//! between all our ServiceAccounts and the apiserver in this suite).
 //!
 //! Each scenario prints one `fault-figures` line: the time from the fault to convergence and
 //! what was retried on the way (filter calls answered 503, FailedScheduling and
@@ -30,11 +32,13 @@ const PODS: i64 = 12;
 const STAGE_PAUSE: &str = "after-mkfs:800";
 
 fn builder() -> TestEnvBuilder {
-    e2e::testenv_builder().drivers(testenv::node_processes::DriverOptions {
-        extra_args: vec!["--log-format=json".into()],
-        env: vec![(driver::faults::DELAY_ENV.into(), STAGE_PAUSE.into())],
-        ..Default::default()
-    })
+    e2e::testenv_builder()
+        .drivers(testenv::node_processes::DriverOptions {
+            extra_args: vec!["--log-format=json".into()],
+            env: vec![(driver::faults::DELAY_ENV.into(), STAGE_PAUSE.into())],
+            ..Default::default()
+        })
+        .http_fault_proxy()
 }
 
 async fn cluster() -> Option<(Cluster, &'static TestEnv)> {
@@ -50,6 +54,8 @@ async fn cluster() -> Option<(Cluster, &'static TestEnv)> {
 /// Counts that tell what was retried.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 struct Retries {
+    /// Requests the fault proxy answered with 429 or 5xx.
+    injected: usize,
     filter_503: u64,
     failed_scheduling: usize,
     provisioning_failed: usize,
@@ -78,6 +84,7 @@ fn restarts(env: &TestEnv) -> u32 {
 
 async fn retries(env: &TestEnv, s: &Scenario) -> Retries {
     Retries {
+        injected: env.fault_proxy().map_or(0, |p| p.injected()),
         filter_503: extender_metric(
             env,
             "pmem_csi_extender_requests_total{route=\"filter\",code=\"503\"}",
@@ -179,6 +186,7 @@ fn report(fault: &str, pods: usize, took: Duration, before: &Retries, after: &Re
         "fault": fault,
         "pods": pods,
         "converged_s": took.as_secs_f64(),
+        "injected_429_5xx": after.injected.saturating_sub(before.injected),
         // The extender's counter restarts with it: after its SIGKILL this counts the new
         // process's 503s only.
         "filter_503": after.filter_503.saturating_sub(before.filter_503),
@@ -368,4 +376,24 @@ async fn f5_leading_controller_killed_while_claims_wait_for_rescheduling() {
         &after,
     );
     s.finish().await.expect("leak check");
+}
+
+#[tokio::test]
+async fn f6_apiserver_answers_429_and_5xx_for_a_while() {
+    burst_with_fault(
+        "apiserver answering 429 and 5xx for 6 s",
+        |env| async move {
+            let proxy = env.fault_proxy().expect("fault proxy");
+            let before = proxy.injected();
+            proxy.fail_for(Duration::from_secs(6));
+            until("requests of ours to be refused", e2e::WAIT, || async {
+                (proxy.injected() > before)
+                    .then_some(())
+                    .ok_or("none refused yet".to_string())
+            })
+            .await
+            .expect("refused");
+        },
+    )
+    .await;
 }

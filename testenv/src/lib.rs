@@ -7,6 +7,7 @@ pub mod audit;
 pub mod control_plane;
 pub mod csi_client;
 pub mod csi_sanity;
+pub mod fault_proxy;
 pub mod http_client;
 pub mod json_log;
 pub mod kubeconfig;
@@ -75,6 +76,9 @@ pub enum TestEnvError {
     /// The manifests' objects or ServiceAccount tokens.
     #[error(transparent)]
     ServiceAccounts(#[from] service_accounts::ServiceAccountError),
+    /// The fault proxy did not start.
+    #[error(transparent)]
+    FaultProxy(#[from] fault_proxy::FaultProxyError),
     /// An API call during start-up.
     #[error("setting up the cluster: {0}")]
     Api(#[from] kube::Error),
@@ -101,6 +105,7 @@ pub struct TestEnvBuilder {
     controller: Option<Vec<String>>,
     kubelet: bool,
     extender_env: Vec<(String, String)>,
+    fault_proxy: bool,
 }
 
 impl Default for TestEnvBuilder {
@@ -116,6 +121,7 @@ impl Default for TestEnvBuilder {
             controller: None,
             kubelet: false,
             extender_env: Vec::new(),
+            fault_proxy: false,
         }
     }
 }
@@ -132,6 +138,14 @@ impl TestEnvBuilder {
         S: Into<String>,
     {
         self.controller = Some(args.into_iter().map(Into::into).collect());
+        self
+    }
+
+    /// Puts a [`fault_proxy::FaultProxy`] between every ServiceAccount of ours (controller,
+    /// extender, node drivers, csi-provisioner) and the apiserver, so that a test can make the
+    /// apiserver answer 429 and 5xx for a while ([`TestEnv::fault_proxy`]).
+    pub fn http_fault_proxy(mut self) -> Self {
+        self.fault_proxy = true;
         self
     }
 
@@ -237,6 +251,7 @@ pub struct TestEnv {
     manifests: std::sync::Arc<manifests::Rendered>,
     /// Kubeconfigs of the manifests' ServiceAccounts.
     accounts: service_accounts::ServiceAccountKubeconfigs,
+    fault_proxy: Option<fault_proxy::FaultProxy>,
     /// Cancelled first on stop, so that no supervisor restarts what teardown kills.
     shutdown: CancellationToken,
     // Declared last: dropped after the components, so their graceful stop comes first.
@@ -311,6 +326,7 @@ impl TestEnv {
             manifests_base,
             manifests,
             accounts: Default::default(),
+            fault_proxy: None,
             shutdown: CancellationToken::new(),
             group,
         };
@@ -333,12 +349,26 @@ impl TestEnv {
             std::time::Duration::from_secs(30),
         )
         .await?;
+        let mut server = env.server();
+        if builder.fault_proxy {
+            let upstream: SocketAddr =
+                server.trim_start_matches("https://").parse().map_err(|e| {
+                    TestEnvError::WorkDir {
+                        parent: PathBuf::from(&server),
+                        source: std::io::Error::other(e),
+                    }
+                })?;
+            let proxy =
+                fault_proxy::FaultProxy::start(upstream, &pki, env.shutdown.child_token()).await?;
+            server = format!("https://{}", proxy.address());
+            env.fault_proxy = Some(proxy);
+        }
         env.accounts = service_accounts::ServiceAccountKubeconfigs::issue(
             &client,
             manifests::NAMESPACE,
             &names,
             &env.dir().join("pki"),
-            (&env.server(), &env.dir().join("pki/ca.crt")),
+            (&server, &env.dir().join("pki/ca.crt")),
             builder.token_renewal,
             env.shutdown.child_token(),
         )
@@ -903,6 +933,12 @@ impl TestEnv {
                 source: rustix::io::Errno::SRCH,
             }),
         }
+    }
+
+    /// The proxy between our ServiceAccounts and the apiserver, with
+    /// [`TestEnvBuilder::http_fault_proxy`].
+    pub fn fault_proxy(&self) -> Option<&fault_proxy::FaultProxy> {
+        self.fault_proxy.as_ref()
     }
 
     /// How often the extender's supervisor restarted it, when testenv runs it.
