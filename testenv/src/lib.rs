@@ -343,6 +343,22 @@ impl TestEnv {
             env.shutdown.child_token(),
         )
         .await?;
+        if env
+            .manifests
+            .object("ValidatingAdmissionPolicy", manifests::NODE_LEASE_POLICY)
+            .is_some()
+        {
+            // Like RBAC above: no node process may start before the policy holds it.
+            let node_client =
+                control_plane::client_from(&env.unbound_node_kubeconfig()?, "node").await?;
+            service_accounts::wait_node_lease_policy(
+                &node_client,
+                manifests::NAMESPACE,
+                manifests::NODE_LEASE_POLICY,
+                std::time::Duration::from_secs(30),
+            )
+            .await?;
+        }
         if let (Some(args), Some((route, admin))) = (builder.extender.take(), extender_ports) {
             let address = SocketAddr::from(([127, 0, 0, 1], route));
             let admin = SocketAddr::from(([127, 0, 0, 1], admin));
@@ -691,6 +707,12 @@ impl TestEnv {
     /// The token file behind [`TestEnv::service_account_kubeconfig`].
     pub fn service_account_token_file(&self, name: &str) -> Option<PathBuf> {
         self.accounts.token_file(name)
+    }
+
+    /// The node ServiceAccount's kubeconfig with a token bound to no node: what the policy
+    /// `manifests::NODE_LEASE_POLICY` lets write no Lease.
+    fn unbound_node_kubeconfig(&self) -> Result<PathBuf, TestEnvError> {
+        self.account_kubeconfig(&self.node_account()?, "pmem-driver")
     }
 
     /// The ServiceAccount the node DaemonSet's containers run under.

@@ -5,7 +5,8 @@
 //!
 //! A node's processes get a token of the node ServiceAccount bound to their Node object, as
 //! kubelet's projected token is bound to the pod (and so to its node): the API server then puts
-//! `authentication.kubernetes.io/node-name` into the caller's user info.
+//! `authentication.kubernetes.io/node-name` into the caller's user info, which the manifests'
+//! ValidatingAdmissionPolicy `<driver>-node-leases` matches against the Lease a node writes.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -69,6 +70,9 @@ pub enum ServiceAccountError {
     /// A kubeconfig could not be written.
     #[error(transparent)]
     Kubeconfig(#[from] kubeconfig::KubeconfigError),
+    /// The admission policies of the manifests never took effect.
+    #[error("admission policy not in effect: {0}")]
+    PolicyNotInEffect(String),
     /// A synchronous caller's token could not be issued on a thread of its own.
     #[error("issuing a token off the caller's runtime: {0}")]
     Runtime(std::io::Error),
@@ -335,6 +339,41 @@ impl ServiceAccountKubeconfigs {
             .get(&(account.to_string(), node.to_string()))
             .cloned()
     }
+}
+
+/// Waits until the ValidatingAdmissionPolicy `policy` (the manifests' `<driver>-node-leases`)
+/// is in effect: until a dry-run Lease create in `namespace` by `node_client`, the node
+/// ServiceAccount with a token bound to no node, is refused in its name. A policy reaches the
+/// admission plugin through an informer a moment after it is applied, and until then a node
+/// could write any Lease.
+pub async fn wait_node_lease_policy(
+    node_client: &Client,
+    namespace: &str,
+    policy: &str,
+    timeout: Duration,
+) -> Result<(), ServiceAccountError> {
+    use k8s_openapi::api::coordination::v1::Lease;
+    let api = Api::<Lease>::namespaced(node_client.clone(), namespace);
+    let probe = Lease {
+        metadata: kube::api::ObjectMeta {
+            name: Some(format!("{policy}-probe")),
+            ..Default::default()
+        },
+        spec: None,
+    };
+    let params = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    crate::wait::until(&format!("{policy} to refuse"), timeout, || async {
+        match api.create(&params, &probe).await {
+            Err(kube::Error::Api(status)) if status.message.contains(policy) => Ok(()),
+            Err(e) => Err(e.to_string()),
+            Ok(_) => Err("a node without node binding may still create a Lease".to_string()),
+        }
+    })
+    .await
+    .map_err(|e| ServiceAccountError::PolicyNotInEffect(e.to_string()))
 }
 
 /// Requests a token for `file` (its ServiceAccount in `namespace`, bound to its Node if it
