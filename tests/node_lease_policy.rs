@@ -136,43 +136,54 @@ async fn a_node_cannot_write_another_nodes_or_a_leader_lease() {
     let env = env();
     let pp = PostParams::default();
     let admin = admin_leases(env).await;
-    // (the writer's node, the Lease as its rightful holder writes it, what the test is about)
+    // (the writer's node, the Lease as its rightful holder writes it, what the writer tries to
+    // create before that holder has it, what the case is about)
     let cases = [
         (
             "node-1",
             heartbeat_of("node-2", None),
+            taken_over(heartbeat_of("node-2", None), "node-1"),
             "another node's heartbeat",
         ),
         (
             "node-1",
             leader("pmem-csi-intel-com-rescheduler", "controller-0"),
+            taken_over(
+                leader("pmem-csi-intel-com-rescheduler", "controller-0"),
+                "node-1",
+            ),
             "the rescheduler's leader Lease",
         ),
         (
             "node-1",
             leader("pmem-csi-intel-com-capacity-cleanup", "controller-0"),
+            taken_over(
+                leader("pmem-csi-intel-com-capacity-cleanup", "controller-0"),
+                "node-1",
+            ),
             "the capacity clean-up's leader Lease",
         ),
-        // The name is hash-shortened, so the policy cannot check it whole; the holder decides.
+        // The name is hash-shortened and both names keep the same prefix, so the policy cannot
+        // tell them apart by name: the holder decides. Created in the other node's name (the
+        // forgery a holder-aware reader would believe); created with the writer as holder is
+        // what the policy cannot refuse (README, "Node identities").
         (
             LONG_A,
+            heartbeat_of(LONG_B, None),
             heartbeat_of(LONG_B, None),
             "a hash-shortened heartbeat of another node",
         ),
     ];
-    for (writer, lease, about) in cases {
+    for (writer, lease, forged, about) in cases {
         let leases = leases_as(env, Some(writer)).await;
         let name = lease.metadata.name.clone().unwrap_or_default();
         // Create: the Lease does not exist yet (a leader Lease before the controller started,
-        // a heartbeat before that node's driver ran). The long-name case is created by its
-        // rightful node first: there the policy cannot tell the names apart by the hash.
-        if writer == "node-1" {
-            let message = refused_by_policy(
-                &format!("{writer} creating {about} {name}"),
-                leases.create(&pp, &taken_over(lease.clone(), writer)).await,
-            );
-            println!("create {name} as {writer}: {message}");
-        }
+        // a heartbeat before that node's driver ran).
+        let message = refused_by_policy(
+            &format!("{writer} creating {about} {name}"),
+            leases.create(&pp, &forged).await,
+        );
+        println!("create {name} as {writer}: {message}");
         // Update: the rightful holder has it; the node tries to take it over.
         let stored = ensure(&admin, &lease).await;
         let message = refused_by_policy(
