@@ -1,7 +1,8 @@
 //! Our processes talk to the API server as the manifests' ServiceAccounts, never as admin: the
-//! rendered Namespace, CSIDriver, StorageClasses, ServiceAccounts and RBAC are applied, and each
-//! ServiceAccount gets a kubeconfig whose `tokenFile` holds a TokenRequest token that a
-//! background task renews (kube-rs and client-go both re-read token files every minute).
+//! rendered Namespace, CSIDriver, StorageClasses, ServiceAccounts, RBAC and admission policies
+//! are applied, and each ServiceAccount gets a kubeconfig whose `tokenFile` holds a TokenRequest
+//! token that a background task renews (kube-rs and client-go both re-read token files every
+//! minute).
 //!
 //! A node's processes get a token of the node ServiceAccount bound to their Node object, as
 //! kubelet's projected token is bound to the pod (and so to its node): the API server then puts
@@ -70,7 +71,7 @@ pub enum ServiceAccountError {
     /// A kubeconfig could not be written.
     #[error(transparent)]
     Kubeconfig(#[from] kubeconfig::KubeconfigError),
-    /// The admission policies of the manifests never took effect.
+    /// The manifests' node Lease policy never took effect.
     #[error("admission policy not in effect: {0}")]
     PolicyNotInEffect(String),
     /// A synchronous caller's token could not be issued on a thread of its own.
@@ -369,7 +370,7 @@ pub async fn wait_node_lease_policy(
         match api.create(&params, &probe).await {
             Err(kube::Error::Api(status)) if status.message.contains(policy) => Ok(()),
             Err(e) => Err(e.to_string()),
-            Ok(_) => Err("a node without node binding may still create a Lease".to_string()),
+            Ok(_) => Err("a token bound to no node may still create a Lease".to_string()),
         }
     })
     .await
