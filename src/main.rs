@@ -151,9 +151,15 @@ async fn main() -> anyhow::Result<()> {
             );
             if let Some(period) = node.config().heartbeat_period {
                 let c = node.config();
+                let own = controllers::rate_limit::client(
+                    controllers::heartbeat::KUBE_API_QPS,
+                    controllers::heartbeat::KUBE_API_BURST,
+                )
+                .await
+                .context("connecting to the apiserver for the heartbeat")?;
                 work.spawn(
                     controllers::heartbeat::run(
-                        client.clone(),
+                        own,
                         c.driver_name.clone(),
                         c.node_id.clone(),
                         c.namespace.clone(),

@@ -16,6 +16,7 @@ use k8s_openapi::api::storage::v1::CSIStorageCapacity;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::Api;
 use kube::api::{DeleteParams, ObjectMeta, PostParams};
+use rustix::process::Signal;
 use testenv::objects;
 use testenv::wait::until;
 use testenv::{NodeSpec, TestEnv};
@@ -183,7 +184,7 @@ async fn selected(client: &kube::Client, namespace: &str, claims: &[&str]) -> Ve
 
 async fn extender_metric(env: &TestEnv, prefix: &str) -> u64 {
     let (_, admin) = env.extender_addresses().expect("extender");
-    objects::metric_value(&objects::scrape_metrics(admin.port()).await, prefix)
+    metric(admin, prefix).await
 }
 
 /// Deletes the namespace's pods and claims and waits until they are gone, so that the next
@@ -670,4 +671,149 @@ async fn no_fits_before_the_caches_have_synced() {
         answer.body
     );
     assert!(answer.body.contains("not synced"), "{}", answer.body);
+}
+
+async fn metric(admin: std::net::SocketAddr, prefix: &str) -> u64 {
+    objects::metric_value(&objects::scrape_metrics(admin.port()).await, prefix)
+}
+
+/// `/filter` of `pod` (as it is now in the API) over `nodes`, as kube-scheduler sends it: the
+/// status and the nodes that passed.
+async fn filter_directly(
+    route: std::net::SocketAddr,
+    client: &kube::Client,
+    namespace: &str,
+    pod: &str,
+    nodes: &[&str],
+) -> Result<Vec<String>, String> {
+    let pod = Api::<Pod>::namespaced(client.clone(), namespace)
+        .get(pod)
+        .await
+        .map_err(|e| e.to_string())?;
+    let body = serde_json::json!({ "Pod": pod, "NodeNames": nodes }).to_string();
+    let reply = testenv::http_client::http(route, "POST", "/filter", body.as_bytes()).await?;
+    if reply.status != 200 {
+        return Err(format!("status {}: {}", reply.status, reply.body));
+    }
+    let answer: serde_json::Value =
+        serde_json::from_str(&reply.body).map_err(|e| format!("{e}: {}", reply.body))?;
+    if let Some(error) = answer["Error"].as_str().filter(|e| !e.is_empty()) {
+        return Err(error.to_string());
+    }
+    Ok(answer["NodeNames"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|n| n.as_str().map(str::to_owned))
+        .collect())
+}
+
+/// The window a restart must not open: kube-scheduler got a fit for pod-a on node-1 and is
+/// binding it (its claim does not show the selected node yet) when the extender is SIGKILLed.
+/// The restarted extender must still count pod-a's reservation, or it lets pod-b into the same
+/// room: an over-commit. The test plays kube-scheduler (the pods name a scheduler that does not
+/// exist), so that the window stays open as long as the test needs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_keeps_the_reservations_of_pods_being_bound() {
+    let (mut env, client) = start(&[]).await;
+    // Kept: the restarted extender serves where it did.
+    let (route, admin) = env.extender_addresses().expect("extender");
+    let ns = testenv::test_namespace(&client, "restart")
+        .await
+        .expect("namespace");
+    publish(
+        &client,
+        &[("node-1", &[10 * GI]), ("node-2", &[0]), ("node-3", &[0])],
+    )
+    .await;
+    create_claims(&client, &ns, &[("a", "6Gi"), ("b", "6Gi")]).await;
+    for name in ["a", "b"] {
+        let mut pod = pod_with_claims(&ns, &format!("pod-{name}"), &[name]);
+        if let Some(spec) = pod.spec.as_mut() {
+            spec.scheduler_name = Some("played-by-the-test".into());
+        }
+        create_pod(&client, &pod).await;
+    }
+    let passed = until("pod-a to fit node-1", WAIT, || {
+        filter_directly(route, &client, &ns, "pod-a", &["node-1"])
+    })
+    .await
+    .expect("pod-a filtered");
+    assert_eq!(passed, ["node-1"]);
+    let before = filter_directly(route, &client, &ns, "pod-b", &["node-1"])
+        .await
+        .expect("pod-b filtered");
+    assert!(before.is_empty(), "pod-a's reservation holds: {before:?}");
+
+    let extender = env.take_extender().expect("extender");
+    extender.signal(Signal::KILL).expect("SIGKILL the extender");
+    extender
+        .wait_for(WAIT, |s| s.restarts >= 1 && s.pid.is_some())
+        .await
+        .expect("restarted");
+    // 503 until the restarted extender has synced; then pod-a's reservation must be back.
+    let after = until("the restarted extender to answer", WAIT, || {
+        filter_directly(route, &client, &ns, "pod-b", &["node-1"])
+    })
+    .await
+    .expect("pod-b filtered after the restart");
+    assert!(
+        after.is_empty(),
+        "pod-b fits node-1 after the restart: pod-a's reservation was forgotten\n{}",
+        testenv::process::tail(&env.dir().join("logs/extender.log"), 40)
+    );
+    assert_eq!(
+        metric(admin, "pmem_csi_reservations_total{event=\"restored\"}").await,
+        1
+    );
+
+    // The scheduler's PreBind lands: pod-a's claim shows node-1, which now counts it as
+    // allocated; pod-b still does not fit. Once pod-a and its claim are gone, it does.
+    Api::<PersistentVolumeClaim>::namespaced(client.clone(), &ns)
+        .patch(
+            "a",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(serde_json::json!({"metadata": {"annotations": {
+                "volume.kubernetes.io/selected-node": "node-1"
+            }}})),
+        )
+        .await
+        .expect("select node-1");
+    until("pod-a's entry to be handed over", WAIT, || async {
+        let n = metric(admin, "pmem_csi_reservations_total{event=\"handed-over\"}").await;
+        (n == 1).then_some(()).ok_or(format!("handed over: {n}"))
+    })
+    .await
+    .expect("handed over");
+    let selected = filter_directly(route, &client, &ns, "pod-b", &["node-1"])
+        .await
+        .expect("pod-b filtered");
+    assert!(selected.is_empty(), "{selected:?}");
+    let now = DeleteParams {
+        grace_period_seconds: Some(0),
+        ..Default::default()
+    };
+    Api::<Pod>::namespaced(client.clone(), &ns)
+        .delete("pod-a", &now)
+        .await
+        .expect("delete pod-a");
+    Api::<PersistentVolumeClaim>::namespaced(client.clone(), &ns)
+        .delete("a", &now)
+        .await
+        .expect("delete claim a");
+    until("pod-b to fit node-1", WAIT, || async {
+        let passed = filter_directly(route, &client, &ns, "pod-b", &["node-1"]).await?;
+        (passed == ["node-1"])
+            .then_some(())
+            .ok_or(format!("passed: {passed:?}"))
+    })
+    .await
+    .expect("room again");
+    extender.stop().await;
+    clean(&client, &ns).await;
+    let leftovers = env.stop().await;
+    assert_eq!(
+        leftovers.wait_clean(Duration::from_secs(10)).await,
+        Vec::<String>::new()
+    );
 }

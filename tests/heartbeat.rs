@@ -126,3 +126,64 @@ async fn stopped_driver_loses_its_claims_restarted_one_keeps_them() {
     driver.stop().await;
     wait_unselected(&api, "kept").await;
 }
+
+/// The heartbeat has its own client budget: a node whose shared client is starved (here by a
+/// budget of one request per 10 s, as a node busy publishing and sweeping would starve it)
+/// still renews its Lease every period, never letting it lapse.
+#[tokio::test]
+async fn a_starved_node_client_does_not_starve_the_heartbeat() {
+    let f = fixture();
+    let client = f.env.client().await.expect("client");
+    let root = tempfile::tempdir().expect("tempdir");
+    let dirs = NodeDriverDirs::under(root.path());
+    let driver = f
+        .env
+        .supervise_node_driver(
+            "starved",
+            &dirs,
+            &DriverOptions::fake(
+                "1Gi",
+                &[
+                    "--kube-api-qps=0.1",
+                    "--kube-api-burst=1",
+                    "--heartbeat-period=2s",
+                ],
+            ),
+        )
+        .expect("node driver");
+    let leases = Api::<Lease>::namespaced(client.clone(), "pmem-csi");
+    let renewals = std::sync::Arc::new(std::sync::Mutex::new(
+        Vec::<k8s_openapi::jiff::Timestamp>::new(),
+    ));
+    let seen = until("five renewals of the heartbeat", WAIT, || {
+        let (leases, renewals) = (leases.clone(), std::sync::Arc::clone(&renewals));
+        async move {
+            let lease = leases
+                .get_opt("pmem-csi-intel-com-node-starved")
+                .await
+                .map_err(|e| e.to_string())?;
+            let mut renewals = renewals.lock().map_err(|e| e.to_string())?;
+            if let Some(t) = lease.and_then(|l| l.spec?.renew_time)
+                && renewals.last() != Some(&t.0)
+            {
+                renewals.push(t.0);
+            }
+            (renewals.len() >= 5)
+                .then_some(())
+                .ok_or(format!("{} renewals", renewals.len()))
+        }
+    })
+    .await;
+    driver.stop().await;
+    seen.expect("renewals");
+    let renewals = renewals.lock().expect("renewals").clone();
+    // The Lease lasts three periods (6 s): a gap that long would have let it lapse.
+    let gaps: Vec<Duration> = renewals
+        .windows(2)
+        .map(|w| Duration::try_from(w[1] - w[0]).unwrap_or(Duration::MAX))
+        .collect();
+    assert!(
+        gaps.iter().all(|g| *g < Duration::from_secs(6)),
+        "renewal gaps: {gaps:?}"
+    );
+}

@@ -179,5 +179,58 @@ async fn deletes_orphans_keeps_the_rest() {
         metrics.contains("pmem_csi_orphans_deleted_total 2"),
         "{metrics}"
     );
+
+    // What it cost the apiserver: PVs listed once and then watched, however many passes ran;
+    // no claim read for a volume a PV refers to.
+    let swept_at = objects::metric_value(&metrics, "pmem_csi_orphan_sweeps_total");
+    let metrics_url = format!("http://127.0.0.1:{port}");
+    until("three more sweep passes", WAIT, || async {
+        let text = testenv::control_plane::anonymous_probe(&metrics_url, "metrics")
+            .map_err(|e| e.to_string())?
+            .request_text(
+                http::Request::get("/metrics")
+                    .body(Vec::new())
+                    .map_err(|e| e.to_string())?,
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+        let passes = objects::metric_value(&text, "pmem_csi_orphan_sweeps_total");
+        (passes >= swept_at + 3)
+            .then_some(())
+            .ok_or(format!("{passes} passes"))
+    })
+    .await
+    .expect("passes");
     driver.stop().await;
+    let log = std::fs::read_to_string(env.audit_log()).expect("audit log");
+    let (requests, _) = testenv::audit::parse_log(&log);
+    let node = testenv::audit::service_account_user("pmem-csi", "pmem-csi-intel-com-node");
+    let count = |verb: &str, resource: &str, name: &str| {
+        requests
+            .iter()
+            .filter(|r| {
+                r.user == node
+                    && r.verb == verb
+                    && r.resource == resource
+                    && (name.is_empty() || r.name == name)
+            })
+            .count()
+    };
+    assert_eq!(count("list", "persistentvolumes", ""), 1, "PV lists");
+    // One watch: audited when its response starts and again when it ends (the driver stopped).
+    assert!(
+        count("watch", "persistentvolumes", "") <= 2,
+        "PV watches: {}",
+        count("watch", "persistentvolumes", "")
+    );
+    assert_eq!(
+        count("get", "persistentvolumeclaims", "referenced"),
+        0,
+        "claim reads for a referenced volume"
+    );
+    assert!(
+        count("get", "persistentvolumeclaims", "pending") >= 3,
+        "the unreferenced pending volume's claim is read on every pass: {}",
+        count("get", "persistentvolumeclaims", "pending")
+    );
 }

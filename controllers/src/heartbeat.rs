@@ -17,6 +17,13 @@ use crate::liveness_view::heartbeat_lease_name;
 /// A Lease is valid for this many renew periods, so one late renewal does not expire it.
 pub const PERIODS_PER_LEASE: u32 = 3;
 
+/// Requests per second of the heartbeat's own client. It has its own, so that a node busy
+/// with the publisher and the sweep (which share the node's `--kube-api-qps`) never queues a
+/// renewal behind them: two requests per period is all it needs.
+pub const KUBE_API_QPS: f64 = 1.0;
+/// Burst of the heartbeat's own client.
+pub const KUBE_API_BURST: u32 = 4;
+
 /// The Lease object for `node` renewed now.
 pub fn lease(
     driver: &str,
@@ -66,28 +73,34 @@ pub async fn run(
     let api = Api::<Lease>::namespaced(client, &namespace);
     let name = heartbeat_lease_name(&driver, &node);
     loop {
-        let result = match api.get_opt(&name).await {
-            Ok(None) => api
-                .create(
-                    &PostParams::default(),
-                    &lease(&driver, &node, &namespace, period, None),
-                )
-                .await
-                .map(|_| ()),
-            // The resourceVersion carried over makes a concurrent writer's change fail this
-            // renewal instead of being overwritten; the next tick reads it again.
-            Ok(Some(existing)) => api
-                .replace(
-                    &name,
-                    &PostParams::default(),
-                    &lease(&driver, &node, &namespace, period, Some(&existing)),
-                )
-                .await
-                .map(|_| ()),
-            Err(e) => Err(e),
+        // A renewal that takes longer than a period is abandoned (a hung connection), so the
+        // next one starts on time; the Lease lasts several periods.
+        let renewal = async {
+            match api.get_opt(&name).await {
+                Ok(None) => api
+                    .create(
+                        &PostParams::default(),
+                        &lease(&driver, &node, &namespace, period, None),
+                    )
+                    .await
+                    .map(|_| ()),
+                // The resourceVersion carried over makes a concurrent writer's change fail this
+                // renewal instead of being overwritten; the next tick reads it again.
+                Ok(Some(existing)) => api
+                    .replace(
+                        &name,
+                        &PostParams::default(),
+                        &lease(&driver, &node, &namespace, period, Some(&existing)),
+                    )
+                    .await
+                    .map(|_| ()),
+                Err(e) => Err(e),
+            }
         };
-        if let Err(e) = result {
-            tracing::warn!(lease = name, "renewing the heartbeat: {e}");
+        match tokio::time::timeout(period, renewal).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(lease = name, "renewing the heartbeat: {e}"),
+            Err(_) => tracing::warn!(lease = name, ?period, "renewing the heartbeat timed out"),
         }
         tokio::select! {
             _ = tokio::time::sleep(period) => {}

@@ -2,12 +2,22 @@
 //! deleted, bound to another volume, or rescheduled to another node while this node was cut
 //! off — is deleted once it is older than `--orphan-grace`, so that rescheduling after a lost
 //! node never leaks capacity. The decision is pure; the sweep around it reads the cluster.
+//!
+//! Cost: every node runs a sweep, so it must not grow with the cluster. The PVs of this driver
+//! come from one watch (listed in pages once, then only changes), kept as [`PvIndex`]: name,
+//! handle and node of each, about 100 bytes per PV. A volume a PV refers to is kept without
+//! further reads; only the others (normally none) cost a GET of their claim, uncached, because
+//! a deletion must not act on a stale claim.
 
-use std::collections::BTreeMap;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use futures::StreamExt;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use kube::Api;
+use kube::runtime::WatchStreamExt;
+use kube::runtime::watcher::{self, Event};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
@@ -117,6 +127,102 @@ pub fn judge(v: &VolumeFacts, node: &str, grace: Duration) -> OrphanVerdict {
     OrphanVerdict::Keep(KeepReason::ClaimPendingHere)
 }
 
+/// What the sweep keeps of one PV of this driver.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PvFacts {
+    /// The CSI volume handle.
+    pub handle: String,
+    /// The node of its node affinity (`<driver>/node`), if it has one.
+    pub node: Option<String>,
+}
+
+impl PvFacts {
+    /// What the sweep keeps of `pv`; `None` for PVs of other drivers.
+    pub fn of(pv: &PersistentVolume, driver: &str) -> Option<PvFacts> {
+        let spec = pv.spec.as_ref()?;
+        let handle = spec
+            .csi
+            .as_ref()
+            .filter(|c| c.driver == driver)?
+            .volume_handle
+            .clone();
+        let topology_key = format!("{driver}/node");
+        let node = spec
+            .node_affinity
+            .as_ref()
+            .and_then(|a| a.required.as_ref())
+            .into_iter()
+            .flat_map(|r| &r.node_selector_terms)
+            .flat_map(|t| t.match_expressions.iter().flatten())
+            .find(|e| e.key == topology_key)
+            .and_then(|e| e.values.as_ref()?.first().cloned());
+        Some(PvFacts { handle, node })
+    }
+
+    /// Whether this PV is volume `id` of `node`. A PV without node affinity is taken to mean
+    /// this node: never delete on a guess.
+    pub fn is_volume_of(&self, id: &str, node: &str) -> bool {
+        self.handle == id && self.node.as_deref().is_none_or(|n| n == node)
+    }
+}
+
+/// The PVs of this driver by name, and their names by handle.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PvIndex {
+    by_name: HashMap<String, PvFacts>,
+    by_handle: HashMap<String, HashSet<String>>,
+}
+
+impl PvIndex {
+    /// Adds or replaces PV `name`.
+    pub fn apply(&mut self, name: &str, facts: PvFacts) {
+        self.delete(name);
+        self.by_handle
+            .entry(facts.handle.clone())
+            .or_default()
+            .insert(name.to_owned());
+        self.by_name.insert(name.to_owned(), facts);
+    }
+
+    /// Removes PV `name`.
+    pub fn delete(&mut self, name: &str) {
+        let Some(old) = self.by_name.remove(name) else {
+            return;
+        };
+        if let Some(names) = self.by_handle.get_mut(&old.handle) {
+            names.remove(name);
+            if names.is_empty() {
+                self.by_handle.remove(&old.handle);
+            }
+        }
+    }
+
+    /// PV `name`, if it is one of this driver's.
+    pub fn get(&self, name: &str) -> Option<&PvFacts> {
+        self.by_name.get(name)
+    }
+
+    /// Whether some PV is volume `id` of `node`.
+    pub fn references(&self, id: &str, node: &str) -> bool {
+        self.by_handle.get(id).is_some_and(|names| {
+            names
+                .iter()
+                .filter_map(|n| self.by_name.get(n))
+                .any(|pv| pv.is_volume_of(id, node))
+        })
+    }
+
+    /// How many PVs it holds.
+    pub fn len(&self) -> usize {
+        self.by_name.len()
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.by_name.is_empty()
+    }
+}
+
 /// One of this node's volumes, as the sweep sees it.
 #[derive(Clone, Debug)]
 pub struct SweepCandidate {
@@ -138,20 +244,26 @@ pub trait SweepTarget: Send + Sync + 'static {
     fn delete(&self, id: &str) -> impl std::future::Future<Output = Result<(), String>> + Send;
 }
 
-/// `pmem_csi_orphans_deleted_total`.
+/// `pmem_csi_orphans_deleted_total` and `pmem_csi_orphan_sweeps_total`.
 #[derive(Clone, Debug, Default)]
 pub struct OrphanMetrics {
     deleted: Counter,
+    passes: Counter,
 }
 
 impl OrphanMetrics {
-    /// Registers the counter.
+    /// Registers the counters.
     pub fn register(registry: &mut Registry) -> Self {
         let m = Self::default();
         registry.register(
             "pmem_csi_orphans_deleted",
             "Volumes deleted by the orphan sweep",
             m.deleted.clone(),
+        );
+        registry.register(
+            "pmem_csi_orphan_sweeps",
+            "Orphan sweep passes completed",
+            m.passes.clone(),
         );
         m
     }
@@ -160,7 +272,7 @@ impl OrphanMetrics {
 /// The sweep of one node's volumes.
 #[derive(Clone)]
 pub struct OrphanSweep {
-    /// Client for PVs and claims.
+    /// Client for the PV watch and claim reads.
     pub client: kube::Client,
     /// Driver name (PVs of other drivers are ignored).
     pub driver: String,
@@ -174,17 +286,32 @@ pub struct OrphanSweep {
     pub metrics: OrphanMetrics,
 }
 
+/// The PV index as the watch keeps it: `None` until the first list is complete, so that no
+/// pass judges from half a list.
+type SharedPvs = Arc<Mutex<Option<PvIndex>>>;
+
 impl OrphanSweep {
-    /// Sweeps `target` every period until `shutdown`.
+    /// Watches this driver's PVs and sweeps `target` every period until `shutdown`.
     pub async fn run<T: SweepTarget>(self, target: std::sync::Arc<T>, shutdown: CancellationToken) {
+        let pvs: SharedPvs = Arc::default();
+        let watch = tokio::spawn(watch_pvs(
+            Api::<PersistentVolume>::all(self.client.clone()),
+            self.driver.clone(),
+            Arc::clone(&pvs),
+        ));
         loop {
             tokio::select! {
                 _ = tokio::time::sleep(self.period) => {}
-                _ = shutdown.cancelled() => return,
+                _ = shutdown.cancelled() => break,
             }
-            if let Err(e) = sweep(
+            let snapshot = pvs.lock().unwrap_or_else(PoisonError::into_inner).clone();
+            let Some(snapshot) = snapshot else {
+                tracing::debug!("orphan sweep: the PV watch has not listed yet; pass skipped");
+                continue;
+            };
+            match sweep(
                 &self.client,
-                &self.driver,
+                &snapshot,
                 &self.node,
                 self.grace,
                 target.as_ref(),
@@ -192,7 +319,61 @@ impl OrphanSweep {
             )
             .await
             {
-                tracing::warn!("orphan sweep: {e}");
+                Ok(()) => {
+                    self.metrics.passes.inc();
+                }
+                Err(e) => tracing::warn!("orphan sweep: {e}"),
+            }
+        }
+        watch.abort();
+    }
+}
+
+/// Keeps `pvs` current from a watch of every PV (pages of 500 on each list), keeping this
+/// driver's only. A relist builds a new index and swaps it in when complete, so PVs deleted
+/// while the watch was down disappear and a pass never sees a partial list.
+async fn watch_pvs(api: Api<PersistentVolume>, driver: String, pvs: SharedPvs) {
+    let config = watcher::Config::default().page_size(500);
+    let mut events = std::pin::pin!(watcher::watcher(api, config).default_backoff());
+    let mut listing = PvIndex::default();
+    while let Some(event) = events.next().await {
+        let event = match event {
+            Ok(event) => event,
+            Err(e) => {
+                tracing::warn!("orphan sweep: PV watch: {e}");
+                continue;
+            }
+        };
+        match event {
+            Event::Init => listing = PvIndex::default(),
+            Event::InitApply(pv) => {
+                if let (Some(name), Some(facts)) = (&pv.metadata.name, PvFacts::of(&pv, &driver)) {
+                    listing.apply(name, facts);
+                }
+            }
+            Event::InitDone => {
+                let complete = std::mem::take(&mut listing);
+                *pvs.lock().unwrap_or_else(PoisonError::into_inner) = Some(complete);
+            }
+            Event::Apply(pv) => {
+                let Some(name) = pv.metadata.name.as_deref() else {
+                    continue;
+                };
+                let mut guard = pvs.lock().unwrap_or_else(PoisonError::into_inner);
+                if let Some(index) = guard.as_mut() {
+                    match PvFacts::of(&pv, &driver) {
+                        Some(facts) => index.apply(name, facts),
+                        None => index.delete(name),
+                    }
+                }
+            }
+            Event::Delete(pv) => {
+                if let Some(name) = pv.metadata.name.as_deref() {
+                    let mut guard = pvs.lock().unwrap_or_else(PoisonError::into_inner);
+                    if let Some(index) = guard.as_mut() {
+                        index.delete(name);
+                    }
+                }
             }
         }
     }
@@ -200,72 +381,47 @@ impl OrphanSweep {
 
 async fn sweep<T: SweepTarget>(
     client: &kube::Client,
-    driver: &str,
+    pvs: &PvIndex,
     node: &str,
     grace: Duration,
     target: &T,
     metrics: &OrphanMetrics,
 ) -> Result<(), kube::Error> {
-    let candidates: Vec<SweepCandidate> = target
+    let candidates = target
         .candidates()
         .into_iter()
-        .filter(|c| c.claim.is_some() && c.age >= grace)
-        .collect();
-    if candidates.is_empty() {
-        return Ok(());
-    }
-    // PV name → (volume handle, node of its node affinity), for this driver's PVs.
-    let topology_key = format!("{driver}/node");
-    let pvs: BTreeMap<String, (String, Option<String>)> =
-        Api::<PersistentVolume>::all(client.clone())
-            .list(&Default::default())
-            .await?
-            .items
-            .into_iter()
-            .filter_map(|pv| {
-                let spec = pv.spec?;
-                let handle = spec.csi.filter(|c| c.driver == driver)?.volume_handle;
-                let pv_node = spec
-                    .node_affinity
-                    .and_then(|a| a.required)
-                    .into_iter()
-                    .flat_map(|r| r.node_selector_terms)
-                    .flat_map(|t| t.match_expressions.unwrap_or_default())
-                    .find(|e| e.key == topology_key)
-                    .and_then(|e| e.values.unwrap_or_default().into_iter().next());
-                Some((pv.metadata.name?, (handle, pv_node)))
-            })
-            .collect();
-    // A PV without node affinity is taken to mean this node: never delete on a guess.
-    let is_ours = |id: &str, (handle, pv_node): &(String, Option<String>)| {
-        handle == id && pv_node.as_deref().is_none_or(|n| n == node)
-    };
+        .filter(|c| c.claim.is_some() && c.age >= grace);
     for c in candidates {
-        let claim_now = match &c.claim {
-            Some((ns, name)) => Api::<PersistentVolumeClaim>::namespaced(client.clone(), ns)
-                .get_opt(name)
-                .await?
-                .map(|pvc| {
-                    let volume_name = pvc.spec.and_then(|s| s.volume_name);
-                    ClaimNow {
-                        bound_here: volume_name
-                            .as_ref()
-                            .and_then(|n| pvs.get(n))
-                            .map(|pv| is_ours(&c.id, pv)),
-                        volume_name,
-                        selected_node: pvc
-                            .metadata
-                            .annotations
-                            .and_then(|a| a.get(SELECTED_NODE).cloned()),
-                    }
-                }),
-            None => None,
+        // Checked first: a referenced volume stays whatever its claim says (see `judge`), and
+        // that is nearly every volume of a healthy node.
+        let referenced = pvs.references(&c.id, node);
+        let claim_now = match (&c.claim, referenced) {
+            (Some((ns, name)), false) => {
+                Api::<PersistentVolumeClaim>::namespaced(client.clone(), ns)
+                    .get_opt(name)
+                    .await?
+                    .map(|pvc| {
+                        let volume_name = pvc.spec.and_then(|s| s.volume_name);
+                        ClaimNow {
+                            bound_here: volume_name
+                                .as_ref()
+                                .and_then(|n| pvs.get(n))
+                                .map(|pv| pv.is_volume_of(&c.id, node)),
+                            volume_name,
+                            selected_node: pvc
+                                .metadata
+                                .annotations
+                                .and_then(|a| a.get(SELECTED_NODE).cloned()),
+                        }
+                    })
+            }
+            _ => None,
         };
         let facts = VolumeFacts {
             age: c.age,
             claim: c.claim.clone(),
             pv_name: c.pv_name.clone(),
-            referenced: pvs.values().any(|pv| is_ours(&c.id, pv)),
+            referenced,
             claim_now,
         };
         if let OrphanVerdict::Delete(reason) = judge(&facts, node, grace) {
@@ -409,5 +565,112 @@ mod tests {
         ] {
             assert_eq!(judge(&v, "n1", GRACE), want, "{name}");
         }
+    }
+
+    fn pv(name: &str, driver: &str, handle: &str, node: Option<&str>) -> PersistentVolume {
+        use k8s_openapi::api::core::v1::{
+            CSIPersistentVolumeSource, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm,
+            PersistentVolumeSpec, VolumeNodeAffinity,
+        };
+        PersistentVolume {
+            metadata: kube::api::ObjectMeta {
+                name: Some(name.into()),
+                ..Default::default()
+            },
+            spec: Some(PersistentVolumeSpec {
+                csi: Some(CSIPersistentVolumeSource {
+                    driver: driver.into(),
+                    volume_handle: handle.into(),
+                    ..Default::default()
+                }),
+                node_affinity: node.map(|n| VolumeNodeAffinity {
+                    required: Some(NodeSelector {
+                        node_selector_terms: vec![NodeSelectorTerm {
+                            match_expressions: Some(vec![NodeSelectorRequirement {
+                                key: format!("{driver}/node"),
+                                operator: "In".into(),
+                                values: Some(vec![n.into()]),
+                            }]),
+                            ..Default::default()
+                        }],
+                    }),
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    const DRIVER: &str = "pmem-csi.intel.com";
+
+    #[test]
+    fn pv_facts_table() {
+        let cases = [
+            (
+                "ours on n1",
+                pv("a", DRIVER, "h", Some("n1")),
+                Some(("h", Some("n1"))),
+            ),
+            (
+                "ours without affinity",
+                pv("a", DRIVER, "h", None),
+                Some(("h", None)),
+            ),
+            (
+                "another driver's",
+                pv("a", "other.csi", "h", Some("n1")),
+                None,
+            ),
+            ("no spec", PersistentVolume::default(), None),
+        ];
+        for (name, pv, want) in cases {
+            let got = PvFacts::of(&pv, DRIVER);
+            let want = want.map(|(handle, node)| PvFacts {
+                handle: handle.into(),
+                node: node.map(Into::into),
+            });
+            assert_eq!(got, want, "{name}");
+        }
+    }
+
+    #[test]
+    fn pv_index_references_table() {
+        let mut index = PvIndex::default();
+        let mut add = |name: &str, handle: &str, node: Option<&str>| {
+            let facts = PvFacts::of(&pv(name, DRIVER, handle, node), DRIVER).expect("ours");
+            index.apply(name, facts);
+        };
+        add("pv-here", "h-here", Some("n1"));
+        add("pv-there", "h-there", Some("n2"));
+        add("pv-loose", "h-loose", None);
+        // Two nodes provisioned one claim after a partition: same handle, one PV, on n2.
+        add("pv-split", "h-split", Some("n2"));
+        for (id, want) in [
+            ("h-here", true),
+            ("h-there", false),
+            ("h-loose", true),
+            ("h-split", false),
+            ("h-none", false),
+        ] {
+            assert_eq!(index.references(id, "n1"), want, "{id}");
+        }
+        // A PV that changes its handle (never in practice; the index must not keep the old one).
+        index.apply(
+            "pv-here",
+            PvFacts {
+                handle: "h-new".into(),
+                node: Some("n1".into()),
+            },
+        );
+        assert!(!index.references("h-here", "n1"));
+        assert!(index.references("h-new", "n1"));
+        index.delete("pv-here");
+        index.delete("pv-here");
+        assert!(!index.references("h-new", "n1"));
+        assert_eq!(index.len(), 3);
+        assert_eq!(
+            index.get("pv-there").and_then(|p| p.node.as_deref()),
+            Some("n2")
+        );
     }
 }

@@ -362,9 +362,20 @@ impl TestEnv {
         if let (Some(args), Some((route, admin))) = (builder.extender.take(), extender_ports) {
             let address = SocketAddr::from(([127, 0, 0, 1], route));
             let admin = SocketAddr::from(([127, 0, 0, 1], admin));
+            // The manifests' emptyDir, as a directory of this testenv: it outlives restarts of
+            // the supervised extender as the emptyDir outlives container restarts.
+            let state = env.dir().join("extender-state");
+            std::fs::create_dir_all(&state).map_err(|source| TestEnvError::WorkDir {
+                parent: state.clone(),
+                source,
+            })?;
             let overrides = manifests::Overrides::new()
                 .set("--extender-address", address.to_string())
                 .set("--admin-address", admin.to_string())
+                .set(
+                    "--reservations-file",
+                    state.join("reservations.jsonl").display().to_string(),
+                )
                 .and(&env.driver_name_override())
                 .and(&manifests::Overrides::from_args(&args));
             let mut spec = env.our_process(
@@ -597,6 +608,13 @@ impl TestEnv {
     /// An admin client (`system:masters`) on the caller's runtime.
     pub async fn client(&self) -> Result<kube::Client, ControlPlaneError> {
         control_plane::client_from(&self.admin_kubeconfig(), "admin").await
+    }
+
+    /// The apiserver's audit log of our ServiceAccounts' requests.
+    pub fn audit_log(&self) -> PathBuf {
+        self.control_plane()
+            .map(|c| c.audit_log.clone())
+            .unwrap_or_default()
     }
 
     /// The admin kubeconfig.
@@ -922,6 +940,52 @@ impl TestEnv {
                 what: format!("driver of {node}"),
                 source: rustix::io::Errno::SRCH,
             }),
+        }
+    }
+
+    /// Sends `signal` to the extender, which its supervisor restarts (fault tests).
+    pub fn signal_extender(
+        &self,
+        signal: rustix::process::Signal,
+    ) -> Result<(), process::ProcessError> {
+        match &self.extender {
+            Some(e) => e.process.signal(signal),
+            None => Err(process::ProcessError::Signal {
+                what: "extender".into(),
+                source: rustix::io::Errno::SRCH,
+            }),
+        }
+    }
+
+    /// Sends `signal` to the controller testenv runs, which its supervisor restarts.
+    pub fn signal_controller(
+        &self,
+        signal: rustix::process::Signal,
+    ) -> Result<(), process::ProcessError> {
+        match &self.controller {
+            Some(c) => c.process.signal(signal),
+            None => Err(process::ProcessError::Signal {
+                what: "controller".into(),
+                source: rustix::io::Errno::SRCH,
+            }),
+        }
+    }
+
+    /// How often the extender's supervisor restarted it, when testenv runs it.
+    pub fn extender_restarts(&self) -> Option<u32> {
+        self.extender.as_ref().map(|e| e.process.state().restarts)
+    }
+
+    /// How often the controller's supervisor restarted it, when testenv runs it.
+    pub fn controller_restarts(&self) -> Option<u32> {
+        self.controller.as_ref().map(|c| c.process.state().restarts)
+    }
+
+    /// Restarts control-plane component `name` (see [`ControlPlane::restart`]).
+    pub async fn restart_control_plane(&self, name: &str) -> Result<(), ControlPlaneError> {
+        match self.control_plane() {
+            Some(c) => c.restart(name).await,
+            None => Err(ControlPlaneError::Unknown(name.to_owned())),
         }
     }
 

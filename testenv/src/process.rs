@@ -362,6 +362,14 @@ impl Component {
     pub async fn stop(mut self) {
         terminate(&mut self.child, &self.spec.name).await;
     }
+
+    /// Stops it as [`Component::stop`] does and starts it again from the same spec in
+    /// process group `group` (fault-injection tests: an apiserver or etcd restart).
+    pub async fn restart(&mut self, group: i32) -> Result<(), ProcessError> {
+        terminate(&mut self.child, &self.spec.name).await;
+        self.child = self.spec.spawn(group)?;
+        Ok(())
+    }
 }
 
 async fn terminate(child: &mut Child, name: &str) {

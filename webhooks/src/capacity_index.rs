@@ -208,6 +208,8 @@ pub struct CapacityIndex {
     // Looked up once per candidate node on every /filter: one lookup for both halves, in a
     // table laid out for it.
     nodes: NodeTable<NodeEntry>,
+    /// Node id → name, for what must outlive the process (the reservation journal names nodes).
+    node_names: HashMap<NodeId, String>,
     allocations: HashMap<VolumeKey, Allocation>,
 }
 
@@ -242,6 +244,7 @@ impl CapacityIndex {
             pvs_by_claim: HashMap::new(),
             pods: HashMap::new(),
             nodes: NodeTable::new(),
+            node_names: HashMap::new(),
             allocations: HashMap::new(),
         }
     }
@@ -715,12 +718,44 @@ impl CapacityIndex {
         self.entry(node).id
     }
 
-    /// The entry of `node`, created with a fresh id when absent. Entries are never removed, so
-    /// ids stay stable; an entry of a node that is gone costs its name and about 200 bytes.
+    /// The name of the node with `id`, while the index keeps it.
+    pub fn node_name(&self, id: NodeId) -> Option<&str> {
+        self.node_names.get(&id).map(String::as_str)
+    }
+
+    /// Forgets the nodes that hold nothing any more: no published capacity, no allocation, and
+    /// no id in `held` (the nodes reservations are held on, whose ids must stay stable). Without
+    /// this, every node name ever seen (nodes replaced under new names, selected-node values of
+    /// deleted claims) would stay for the extender's lifetime. Returns how many were forgotten.
+    pub fn forget_idle_nodes(&mut self, held: &HashSet<NodeId>) -> usize {
+        let idle: Vec<String> = self
+            .nodes
+            .iter()
+            .filter(|(_, e)| e.capacity.is_none() && e.volumes.is_empty() && !held.contains(&e.id))
+            .map(|(name, _)| name.to_owned())
+            .collect();
+        for name in &idle {
+            if let Some(entry) = self.nodes.remove(name) {
+                self.node_names.remove(&entry.id);
+            }
+        }
+        idle.len()
+    }
+
+    /// How many nodes the index keeps (published or not).
+    pub fn node_count(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// The entry of `node`, created with a fresh id when absent. An entry stays while the node
+    /// has capacity, allocations or reservations ([`CapacityIndex::forget_idle_nodes`]), so its
+    /// id is stable for as long as anything refers to it.
     fn entry(&mut self, node: &str) -> &mut NodeEntry {
         let next_node_id = &mut self.next_node_id;
+        let node_names = &mut self.node_names;
         self.nodes.get_or_insert_with(node, || {
             *next_node_id += 1;
+            node_names.insert(NodeId(*next_node_id), node.to_owned());
             NodeEntry {
                 id: NodeId(*next_node_id),
                 capacity: None,

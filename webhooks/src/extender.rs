@@ -35,6 +35,7 @@ use controllers::stores::NodeStores;
 
 use crate::extender_metrics::{ExtenderMetrics, ReservationEvent};
 use crate::placement::{ExtenderState, Placement};
+use crate::reservation_journal::{ReservationJournal, ReservedRecord};
 use crate::score::ScorePolicy;
 
 /// Body limit of the extender routes: full `Nodes` lists of big clusters are large.
@@ -90,6 +91,12 @@ pub struct ExtenderOptions {
     #[arg(long, default_value = "1Gi")]
     pub default_volume_size: String,
 
+    /// Where reservations are journaled, so that a restart beside a running kube-scheduler
+    /// holds them again (a file in an emptyDir). Without it a restart forgets them: pods being
+    /// bound at that moment can be over-committed.
+    #[arg(long)]
+    pub reservations_file: Option<std::path::PathBuf>,
+
     /// Requests per second to the apiserver (client-side token bucket; 0 disables).
     #[arg(long, default_value_t = 20.0)]
     pub kube_api_qps: f64,
@@ -116,6 +123,8 @@ pub struct ExtenderConfig {
     pub default_volume_size: u64,
     /// Client rate limit.
     pub kube_api: (f64, u32),
+    /// The reservation journal, if any.
+    pub reservations_file: Option<std::path::PathBuf>,
 }
 
 /// A flag that does not validate.
@@ -184,6 +193,7 @@ impl ExtenderOptions {
             reservation_ttl,
             default_volume_size,
             kube_api: (self.kube_api_qps, self.kube_api_burst),
+            reservations_file: self.reservations_file.clone(),
         })
     }
 }
@@ -205,6 +215,9 @@ pub enum ExtenderError {
     /// The server failed.
     #[error("serving the extender routes: {0}")]
     Serve(std::io::Error),
+    /// The reservation journal cannot be opened.
+    #[error(transparent)]
+    Journal(#[from] crate::reservation_journal::JournalError),
 }
 
 /// What the routes share.
@@ -217,6 +230,9 @@ struct Shared {
     /// Every watch has listed once: before that the index is half-filled and its fits would
     /// over-commit, so `/filter` answers none.
     synced: Arc<std::sync::atomic::AtomicBool>,
+    /// Locked only while `state` is (after it), so that records land in the order of the
+    /// changes they describe.
+    journal: Arc<Mutex<Option<ReservationJournal>>>,
 }
 
 /// The running extender: watches started, routes bound.
@@ -227,6 +243,8 @@ pub struct Extender {
     node_stores: NodeStores,
     synced: ReadyFlag,
     watches_synced: Vec<tokio::sync::watch::Receiver<bool>>,
+    /// What the journal held at start, restored once the caches have synced.
+    replayed: Vec<ReservedRecord>,
 }
 
 impl Extender {
@@ -237,6 +255,20 @@ impl Extender {
         readiness: &Readiness,
     ) -> Result<Self, ExtenderError> {
         let client = controllers::rate_limit::client(config.kube_api.0, config.kube_api.1).await?;
+        let (journal, replayed) = match &config.reservations_file {
+            Some(path) => {
+                let (journal, replayed) = ReservationJournal::open(path)?;
+                if replayed.malformed > 0 {
+                    tracing::warn!(
+                        path = %path.display(),
+                        lines = replayed.malformed,
+                        "reservation journal: skipped lines that do not decode (a torn last line after a kill is expected)"
+                    );
+                }
+                (Some(journal), replayed.reservations)
+            }
+            None => (None, Vec::new()),
+        };
         let listener = tokio::net::TcpListener::bind(config.address)
             .await
             .map_err(|source| ExtenderError::Bind {
@@ -258,6 +290,7 @@ impl Extender {
             config: Arc::new(config),
             metrics: ExtenderMetrics::register(registry),
             synced: Arc::default(),
+            journal: Arc::new(Mutex::new(journal)),
         };
         let mut watches_synced = Vec::new();
         let driver_label = format!(
@@ -303,6 +336,7 @@ impl Extender {
             node_stores,
             synced: readiness.register("extender-caches-synced"),
             watches_synced,
+            replayed,
         })
     }
 
@@ -333,6 +367,8 @@ impl Extender {
                     .metrics
                     .reservation(ReservationEvent::Expired, expired.len() as u64);
                 expiring.metrics.set_reserved(state.reserved_bytes());
+                state.forget_idle_nodes();
+                expiring.rewrite_journal(&state, false);
             }
         });
         // Ready once every watch has listed: answers from a half-filled index would
@@ -341,6 +377,8 @@ impl Extender {
         let answering = Arc::clone(&shared.synced);
         let stores = self.node_stores.clone();
         let mut waits = std::mem::take(&mut self.watches_synced);
+        let replayed = std::mem::take(&mut self.replayed);
+        let restoring = shared.clone();
         let token = shutdown.clone();
         self.tasks.spawn(async move {
             let all = async {
@@ -354,6 +392,7 @@ impl Extender {
             tokio::select! {
                 ok = all => {
                     if ok {
+                        restoring.restore(replayed);
                         tracing::info!("caches synced");
                         answering.store(true, std::sync::atomic::Ordering::Release);
                         synced.set(true);
@@ -375,6 +414,65 @@ impl Extender {
 impl Shared {
     fn lock(&self) -> std::sync::MutexGuard<'_, ExtenderState> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Writes the pod's reservation as `state` holds it now. Called with the state locked and
+    /// before the answer leaves: kube-scheduler may bind on it at once.
+    fn journal(&self, state: &ExtenderState, pod_uid: &str) {
+        let mut journal = self.journal.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(journal) = journal.as_mut() else {
+            return;
+        };
+        let (now, wall) = (Instant::now(), std::time::SystemTime::now());
+        let record = state.journal_record(pod_uid, now, wall);
+        let written = journal.append(&record).and_then(|()| {
+            // Here too, not only every EXPIRE_EVERY: a busy scheduler could otherwise fill the
+            // emptyDir's size limit between two ticks.
+            if journal.wants_rewrite() {
+                journal.rewrite(state.journal_snapshot(now, wall))?;
+            }
+            Ok(())
+        });
+        if let Err(e) = written {
+            self.metrics.journal_error();
+            tracing::error!("{e}; a restart would forget this reservation");
+        }
+    }
+
+    /// Rewrites the journal from the live book when appends have grown it (or `always`).
+    fn rewrite_journal(&self, state: &ExtenderState, always: bool) {
+        let mut journal = self.journal.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(journal) = journal.as_mut() else {
+            return;
+        };
+        if !always && !journal.wants_rewrite() {
+            return;
+        }
+        let records = state.journal_snapshot(Instant::now(), std::time::SystemTime::now());
+        if let Err(e) = journal.rewrite(records) {
+            self.metrics.journal_error();
+            tracing::error!("{e}");
+        }
+    }
+
+    /// Holds again what the journal kept, then rewrites it to just that. Runs once, after the
+    /// caches synced and before `/filter` answers fits.
+    fn restore(&self, replayed: Vec<ReservedRecord>) {
+        let mut state = self.lock();
+        if !replayed.is_empty() {
+            let restored = state.restore(replayed, Instant::now(), std::time::SystemTime::now());
+            tracing::info!(
+                restored = restored.restored,
+                pod_gone = restored.pod_gone,
+                expired = restored.expired,
+                handed_over = restored.handed_over,
+                "reservations from before the restart"
+            );
+            self.metrics
+                .reservation(ReservationEvent::Restored, restored.restored as u64);
+            self.metrics.set_reserved(state.reserved_bytes());
+        }
+        self.rewrite_journal(&state, true);
     }
 }
 
@@ -433,7 +531,9 @@ async fn filter(State(shared): State<Shared>, body: Bytes) -> Response {
         Err(e) => bad_request(e.to_string()),
         Ok(request) => {
             let driverless = judge_driverless(&shared.liveness);
+            let uid = request.pod_uid.clone();
             let mut state = shared.lock();
+            let held_before = state.holds_reservation(&uid);
             let outcome = state.filter(
                 request,
                 &driverless,
@@ -441,6 +541,10 @@ async fn filter(State(shared): State<Shared>, body: Bytes) -> Response {
                 shared.config.score,
                 Instant::now(),
             );
+            // Most pods hold no PMEM: only a reservation made or ended is written.
+            if held_before || outcome.event == Some(ReservationEvent::Reserved) {
+                shared.journal(&state, &uid);
+            }
             shared.metrics.set_reserved(state.reserved_bytes());
             drop(state);
             for (reason, n) in &outcome.rejections {
@@ -662,6 +766,7 @@ mod tests {
             default_volume_size: "1Gi".into(),
             kube_api_qps: 20.0,
             kube_api_burst: 40,
+            reservations_file: None,
         }
     }
 

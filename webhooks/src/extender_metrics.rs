@@ -46,6 +46,8 @@ pub enum ReservationEvent {
     Released,
     /// The TTL ran out: a bug signal (the scheduler neither bound nor retried the pod).
     Expired,
+    /// Held again after a restart, from the reservation journal.
+    Restored,
 }
 
 impl ReservationEvent {
@@ -57,6 +59,7 @@ impl ReservationEvent {
             ReservationEvent::Bound => "bound",
             ReservationEvent::Released => "released",
             ReservationEvent::Expired => "expired",
+            ReservationEvent::Restored => "restored",
         }
     }
 }
@@ -70,6 +73,7 @@ pub struct ExtenderMetrics {
     reservations: Family<Event, Counter>,
     reserved_bytes: Gauge,
     deferred: Counter,
+    journal_errors: Counter,
 }
 
 impl ExtenderMetrics {
@@ -84,6 +88,7 @@ impl ExtenderMetrics {
             reservations: Family::default(),
             reserved_bytes: Gauge::default(),
             deferred: Counter::default(),
+            journal_errors: Counter::default(),
         };
         // Every event exists from the start, at zero: `expired` is alerted on, and a counter
         // that appears only with its first increment hides that increment from rate().
@@ -94,6 +99,7 @@ impl ExtenderMetrics {
             ReservationEvent::Bound,
             ReservationEvent::Released,
             ReservationEvent::Expired,
+            ReservationEvent::Restored,
         ] {
             let _ = m.reservations.get_or_create(&Event {
                 event: event.as_str().into(),
@@ -130,7 +136,17 @@ impl ExtenderMetrics {
             "Filter calls answered with a retry error: a claim or class of the pod had not reached the extender's caches yet",
             m.deferred.clone(),
         );
+        registry.register(
+            "pmem_csi_extender_journal_errors",
+            "Reservation journal writes that failed: a restart in the following minutes can over-commit",
+            m.journal_errors.clone(),
+        );
         m
+    }
+
+    /// Counts one failed reservation-journal write.
+    pub fn journal_error(&self) {
+        self.journal_errors.inc();
     }
 
     /// Counts one pod told to retry because the caches were behind.

@@ -79,9 +79,27 @@ pub struct ServeOptions {
     /// Open connections at most from one peer address, so that one client (a pod) cannot take
     /// every connection the apiserver needs.
     pub max_connections_per_peer: usize,
-    /// Requests in flight at most (each may hold a body of up to the route's limit in memory);
-    /// a request over it is answered 503 at once, its body unread.
+    /// Requests in flight at most; a request over it is answered 503 at once, its body unread.
     pub max_requests_in_flight: usize,
+    /// Body bytes the requests in flight may hold together, each counted by its
+    /// `Content-Length` (in [`BODY_BUDGET_UNIT`]s); a request over it is answered 503 at once,
+    /// its body unread. Memory is bounded by bytes, not by a request count that would have to
+    /// assume every body is as large as the biggest allowed (and so shed bursts of small ones).
+    pub max_body_bytes_in_flight: usize,
+    /// The largest body any route accepts: what a request without `Content-Length` (chunked)
+    /// is counted as, and where a larger stated length is capped (the route refuses it anyway).
+    pub max_body_bytes: usize,
+}
+
+/// The granularity of the body budget: a small review counts as one unit.
+pub const BODY_BUDGET_UNIT: usize = 64 << 10;
+
+/// Budget units a request with `content_length` takes (`None`: not stated).
+fn body_units(content_length: Option<u64>, max_body_bytes: usize) -> u32 {
+    let bytes = content_length
+        .map_or(max_body_bytes, |n| usize::try_from(n).unwrap_or(usize::MAX))
+        .min(max_body_bytes);
+    u32::try_from(bytes.div_ceil(BODY_BUDGET_UNIT).max(1)).unwrap_or(u32::MAX)
 }
 
 impl Default for ServeOptions {
@@ -95,6 +113,8 @@ impl Default for ServeOptions {
             max_connections: 1024,
             max_connections_per_peer: 256,
             max_requests_in_flight: 64,
+            max_body_bytes_in_flight: 256 << 20,
+            max_body_bytes: 64 << 20,
         }
     }
 }
@@ -104,18 +124,60 @@ impl ServeOptions {
     /// an idle keep-alive connection stays; Go's client retries a request on a connection the
     /// server closed while idle) and body plus answer within 2 s: together below the 5 s
     /// `timeoutSeconds` of the shipped webhook configuration, so that a slow client is cut off
-    /// before the apiserver would give up; 64 connections per peer (pods) and 16 reviews in
-    /// flight (each body up to 3 MiB).
+    /// before the apiserver would give up.
+    ///
+    /// The caps must not shed the apiserver's own bursts: it opens one connection per
+    /// concurrent admission (up to its `--max-mutating-requests-inflight`, 200 by default) from
+    /// one address, and a shed review means a pod admitted unmarked (`failurePolicy: Ignore`).
+    /// So 256 connections per peer and 256 reviews in flight, bounded in memory by 48 MiB of
+    /// bodies: at most twelve 3 MiB reviews at once (a quarter of the budget is kept for
+    /// reviews under 64 KiB, which an ordinary pod's is), and hundreds of ordinary ones.
     pub fn webhook() -> Self {
         Self {
             handshake_timeout: Duration::from_secs(1),
             header_read_timeout: Duration::from_millis(1500),
             request_timeout: Some(Duration::from_secs(2)),
             max_connections: 1024,
-            max_connections_per_peer: 64,
-            max_requests_in_flight: 16,
+            max_connections_per_peer: 256,
+            max_requests_in_flight: 256,
+            max_body_bytes_in_flight: 48 << 20,
+            max_body_bytes: 3 << 20,
             ..Self::default()
         }
+    }
+}
+
+/// What requests in flight may take together: a count and body bytes.
+#[derive(Debug)]
+struct RequestBudget {
+    count: Arc<Semaphore>,
+    body_units: Arc<Semaphore>,
+    /// All units of `body_units`.
+    body_total: usize,
+}
+
+/// The part of the body budget (one in this many) only one-unit requests may take.
+pub const SMALL_BODY_SHARE: usize = 4;
+
+impl RequestBudget {
+    /// One request holding `units` of body budget, or `None` when either is exhausted. A request
+    /// of more than one unit must also leave [`SMALL_BODY_SHARE`] of the budget free, so that big
+    /// bodies (anyone's to send) never shed the ordinary reviews of the apiserver.
+    fn admit(&self, units: u32) -> Option<(OwnedSemaphorePermit, OwnedSemaphorePermit)> {
+        if units > 1 {
+            let reserve = self.body_total / SMALL_BODY_SHARE;
+            let needed = usize::try_from(units).unwrap_or(usize::MAX);
+            // Checked before taking: two big requests racing past it together take at most one
+            // unit-sized bite each out of the reserve, which is harmless.
+            if self.body_units.available_permits() < needed.saturating_add(reserve) {
+                return None;
+            }
+        }
+        let count = Arc::clone(&self.count).try_acquire_owned().ok()?;
+        let body = Arc::clone(&self.body_units)
+            .try_acquire_many_owned(units)
+            .ok()?;
+        Some((count, body))
     }
 }
 
@@ -227,7 +289,15 @@ impl HttpsServer {
         let options = Arc::new(options);
         let connection_slots = Arc::new(Semaphore::new(options.max_connections));
         let peers = Arc::new(PeerCounts::default());
-        let requests = Arc::new(Semaphore::new(options.max_requests_in_flight));
+        let body_total = options
+            .max_body_bytes_in_flight
+            .div_ceil(BODY_BUDGET_UNIT)
+            .min(Semaphore::MAX_PERMITS);
+        let requests = Arc::new(RequestBudget {
+            count: Arc::new(Semaphore::new(options.max_requests_in_flight)),
+            body_units: Arc::new(Semaphore::new(body_total)),
+            body_total,
+        });
         let mut connections = JoinSet::new();
         loop {
             tokio::select! {
@@ -320,7 +390,7 @@ async fn handle_connection(
     tls: Option<TlsAcceptor>,
     router: Router,
     options: Arc<ServeOptions>,
-    requests: Arc<Semaphore>,
+    requests: Arc<RequestBudget>,
     shutdown: CancellationToken,
     _admission: Admission,
 ) {
@@ -436,19 +506,24 @@ async fn serve_connection<I>(
     peer: SocketAddr,
     router: Router,
     options: &ServeOptions,
-    requests: Arc<Semaphore>,
+    requests: Arc<RequestBudget>,
     shutdown: &CancellationToken,
 ) where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let request_timeout = options.request_timeout;
+    let max_body_bytes = options.max_body_bytes;
     let service = hyper::service::service_fn(move |mut request: Request<Incoming>| {
         let mut router = router.clone();
         request.extensions_mut().insert(ConnectInfo(peer));
         // Taken before the body is read, so that shedding costs no memory.
-        let slot = Arc::clone(&requests).try_acquire_owned();
+        let content_length = request
+            .headers()
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+        let slot = requests.admit(body_units(content_length, max_body_bytes));
         async move {
-            let Ok(_slot) = slot else {
+            let Some(_slot) = slot else {
                 tracing::debug!(%peer, "too many requests in flight; answered 503");
                 return Ok(overloaded());
             };
@@ -518,6 +593,30 @@ mod tests {
             + o.request_timeout.unwrap_or(Duration::MAX / 2);
         assert!(whole < webhook_timeout, "{whole:?}");
         assert!(o.max_connections_per_peer < o.max_connections);
+        // Twelve reviews of the largest size fit the body budget at once, beside the share
+        // kept for ordinary ones.
+        let big = o.max_body_bytes_in_flight * (SMALL_BODY_SHARE - 1) / SMALL_BODY_SHARE;
+        assert_eq!(big / o.max_body_bytes, 12);
+    }
+
+    #[test]
+    fn body_units_table() {
+        const MAX: usize = 3 << 20;
+        let unit = BODY_BUDGET_UNIT as u64;
+        let cases: [(Option<u64>, u32); 7] = [
+            (Some(0), 1),
+            (Some(1), 1),
+            (Some(unit), 1),
+            (Some(unit + 1), 2),
+            // Stated above what any route accepts: counted as the largest.
+            (Some(u64::MAX), 48),
+            // Chunked: could be as large as the largest.
+            (None, 48),
+            (Some(3 << 20), 48),
+        ];
+        for (length, units) in cases {
+            assert_eq!(body_units(length, MAX), units, "{length:?}");
+        }
     }
 
     #[test]

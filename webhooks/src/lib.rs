@@ -18,6 +18,7 @@ pub mod node_table;
 pub mod placement;
 pub mod pod_volumes;
 pub mod reservation_book;
+pub mod reservation_journal;
 pub mod score;
 pub mod self_signed;
 #[cfg(test)]

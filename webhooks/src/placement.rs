@@ -4,10 +4,10 @@
 //! judgement comes in as a function, time as an `Instant`.
 
 use controllers::volume_cost::volume_cost;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::fmt;
 use std::str::FromStr;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 
@@ -22,6 +22,9 @@ use crate::pod_volumes::{
     self, ClaimFacts, ClassFacts, DemandKey, Unseen, VolumeFacts, VolumeSource,
 };
 use crate::reservation_book::{Entry, EntryKey, ReservationBook};
+use crate::reservation_journal::{
+    JournalRecord, NODE_LIST_LIMIT, ReservedRecord, expiry_from_wall, expiry_to_wall,
+};
 use crate::score::{self, ScorePolicy};
 
 /// How `/filter` answers and reserves (`--placement`).
@@ -106,6 +109,22 @@ pub struct ExtenderState {
     /// What is published and allocated.
     pub index: CapacityIndex,
     book: ReservationBook<NodeId>,
+    /// Uids of the pods not bound to a node and not terminated: the only pods whose
+    /// reservations a restart brings back.
+    pending_pods: HashSet<String>,
+}
+
+/// What bringing back a journal's reservations did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Restored {
+    /// Reservations held again.
+    pub restored: usize,
+    /// Reservations whose pod is gone or bound meanwhile.
+    pub pod_gone: usize,
+    /// Reservations past their expiry.
+    pub expired: usize,
+    /// Reservations whose every entry the cluster now shows as allocated.
+    pub handed_over: usize,
 }
 
 impl ExtenderState {
@@ -114,6 +133,7 @@ impl ExtenderState {
         Self {
             index: CapacityIndex::new(driver, default_size),
             book: ReservationBook::new(ttl),
+            pending_pods: HashSet::new(),
         }
     }
 
@@ -154,6 +174,14 @@ impl ExtenderState {
     /// its inline volumes on the node from now on).
     pub fn apply_pod(&mut self, pod: &Pod) -> bool {
         let bound = self.index.apply_pod(pod);
+        if let Some(uid) = pod.metadata.uid.as_deref() {
+            let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+            if pod_node(pod).is_none() && !matches!(phase, Some("Succeeded" | "Failed")) {
+                self.pending_pods.insert(uid.to_owned());
+            } else {
+                self.pending_pods.remove(uid);
+            }
+        }
         match (bound, pod.metadata.uid.as_deref(), pod_node(pod)) {
             (true, Some(uid), Some(node)) => {
                 let id = self.index.intern_node(node);
@@ -166,6 +194,7 @@ impl ExtenderState {
     /// Removes a pod; `true` when it still held a reservation.
     pub fn delete_pod(&mut self, uid: &str) -> bool {
         self.index.delete_pod(uid);
+        self.pending_pods.remove(uid);
         self.book.pod_deleted(uid).is_some()
     }
 
@@ -181,6 +210,133 @@ impl ExtenderState {
     /// Bytes reserved, summed over nodes.
     pub fn reserved_bytes(&self) -> u64 {
         self.book.total_reserved()
+    }
+
+    /// Whether the pod holds a reservation.
+    pub fn holds_reservation(&self, pod_uid: &str) -> bool {
+        self.book.contains(pod_uid)
+    }
+
+    /// The journal record of the pod's reservation as the book holds it now (its end when it
+    /// holds none); `(now, wall)` read at the same moment.
+    pub fn journal_record(&self, pod_uid: &str, now: Instant, wall: SystemTime) -> JournalRecord {
+        match self.book.iter().find(|(uid, ..)| *uid == pod_uid) {
+            Some((uid, nodes, entries, expires)) => self.reserved_record(
+                uid,
+                nodes.copied().collect::<Vec<_>>(),
+                entries.collect(),
+                expiry_to_wall(expires, now, wall),
+            ),
+            None => JournalRecord::Ended {
+                pod: pod_uid.to_owned(),
+            },
+        }
+    }
+
+    /// Every open reservation as journal records, to rewrite the journal from.
+    pub fn journal_snapshot(&self, now: Instant, wall: SystemTime) -> Vec<JournalRecord> {
+        self.book
+            .iter()
+            .map(|(uid, nodes, entries, expires)| {
+                self.reserved_record(
+                    uid,
+                    nodes.copied().collect::<Vec<_>>(),
+                    entries.collect(),
+                    expiry_to_wall(expires, now, wall),
+                )
+            })
+            .collect()
+    }
+
+    fn reserved_record(
+        &self,
+        uid: &str,
+        nodes: Vec<NodeId>,
+        entries: Vec<Entry>,
+        expires_unix_ms: Option<u64>,
+    ) -> JournalRecord {
+        let all_nodes = nodes.len() > NODE_LIST_LIMIT;
+        let mut nodes: Vec<String> = if all_nodes {
+            Vec::new()
+        } else {
+            nodes
+                .into_iter()
+                .filter_map(|id| self.index.node_name(id).map(str::to_owned))
+                .collect()
+        };
+        nodes.sort_unstable();
+        JournalRecord::Reserved(ReservedRecord {
+            pod: uid.to_owned(),
+            entries,
+            nodes,
+            all_nodes,
+            expires_unix_ms,
+        })
+    }
+
+    /// Holds again the reservations a journal kept across a restart, once the index has synced:
+    /// those of pods still pending and not expired, less the entries the cluster meanwhile shows
+    /// as allocated (a claim with its selected-node). Later records replace earlier ones of the
+    /// same pod, as a new `/filter` of a pod would.
+    pub fn restore(
+        &mut self,
+        records: Vec<ReservedRecord>,
+        now: Instant,
+        wall: SystemTime,
+    ) -> Restored {
+        let mut summary = Restored::default();
+        for record in records {
+            if !self.pending_pods.contains(&record.pod) {
+                summary.pod_gone += 1;
+                continue;
+            }
+            let Some(expires) = expiry_from_wall(record.expires_unix_ms, now, wall) else {
+                summary.expired += 1;
+                continue;
+            };
+            let nodes: Vec<NodeId> = if record.all_nodes {
+                let published: Vec<String> = self.index.nodes().map(str::to_owned).collect();
+                published
+                    .iter()
+                    .map(|n| self.index.intern_node(n))
+                    .collect()
+            } else {
+                record
+                    .nodes
+                    .iter()
+                    .map(|n| self.index.intern_node(n))
+                    .collect()
+            };
+            let entries: Vec<Entry> = record
+                .entries
+                .into_iter()
+                .filter(|e| match &e.key {
+                    EntryKey::Claim { namespace, name } => self
+                        .index
+                        .counted_on(&VolumeKey::Claim {
+                            namespace: namespace.clone(),
+                            name: name.clone(),
+                        })
+                        .is_none(),
+                    EntryKey::Inline { .. } => true,
+                })
+                .collect();
+            if entries.is_empty() {
+                summary.handed_over += 1;
+                continue;
+            }
+            self.book
+                .reserve_until(&record.pod, nodes, entries, now, expires);
+            summary.restored += 1;
+        }
+        summary
+    }
+
+    /// Forgets the index's nodes that hold nothing (no capacity, allocation or reservation);
+    /// returns how many.
+    pub fn forget_idle_nodes(&mut self) -> usize {
+        let held: HashSet<NodeId> = self.book.held_on().copied().collect();
+        self.index.forget_idle_nodes(&held)
     }
 
     /// The pod's pending demand, from the index alone (no lookups on the request path).
@@ -620,6 +776,216 @@ mod tests {
         // Once seen, it is filtered as usual.
         state.apply_claim(&sized_claim("p", "late", "100Mi", None, None));
         assert_eq!(filter(&mut state, "p", &["n1"]), ["n1"]);
+    }
+
+    /// A state with pods `pods` pending, each with its own 6 GiB claim, on nodes of 10 GiB.
+    fn pending(pods: &[&str]) -> ExtenderState {
+        let mut state = state(&["n1", "n2"], "10Gi", Some(10 * GI));
+        for pod in pods {
+            state.apply_claim(&sized_claim(pod, "late", "6Gi", None, None));
+            state.apply_pod(&claim_pod(pod));
+        }
+        state
+    }
+
+    #[test]
+    fn a_restart_holds_the_journaled_reservations_again() {
+        let wall = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let mut before = pending(&["a", "b"]);
+        assert_eq!(filter(&mut before, "a", &["n1", "n2"]), ["n1", "n2"]);
+        let records: Vec<ReservedRecord> = before
+            .journal_snapshot(Instant::now(), wall)
+            .into_iter()
+            .filter_map(|r| match r {
+                JournalRecord::Reserved(r) => Some(r),
+                JournalRecord::Ended { .. } => None,
+            })
+            .collect();
+        assert_eq!(records.len(), 1);
+        assert_eq!(records[0].nodes, ["n1", "n2"]);
+        type Edit = fn(&mut ExtenderState);
+        let restored = |n| Restored {
+            restored: n,
+            ..Default::default()
+        };
+        let cases: [(&str, Edit, Duration, [bool; 2], Restored); 6] = [
+            (
+                "still pending",
+                |_| {},
+                Duration::ZERO,
+                [false, false],
+                restored(1),
+            ),
+            (
+                "deleted meanwhile",
+                |s| {
+                    s.delete_pod("uid-a");
+                },
+                Duration::ZERO,
+                [true, true],
+                Restored {
+                    pod_gone: 1,
+                    ..Default::default()
+                },
+            ),
+            (
+                "bound meanwhile",
+                |s| {
+                    let mut pod = claim_pod("a");
+                    if let Some(spec) = pod.spec.as_mut() {
+                        spec.node_name = Some("n1".into());
+                    }
+                    s.apply_pod(&pod);
+                },
+                Duration::ZERO,
+                [true, true],
+                Restored {
+                    pod_gone: 1,
+                    ..Default::default()
+                },
+            ),
+            (
+                "its claim selected meanwhile",
+                |s| {
+                    s.apply_claim(&sized_claim("a", "late", "6Gi", Some("n1"), None));
+                },
+                Duration::ZERO,
+                // n1 counts the claim as allocated now, n2 is free.
+                [false, true],
+                Restored {
+                    handed_over: 1,
+                    ..Default::default()
+                },
+            ),
+            (
+                "past its expiry",
+                |_| {},
+                Duration::from_secs(600),
+                [true, true],
+                Restored {
+                    expired: 1,
+                    ..Default::default()
+                },
+            ),
+            (
+                "just before its expiry",
+                |_| {},
+                Duration::from_secs(599),
+                [false, false],
+                restored(1),
+            ),
+        ];
+        for (name, edit, later, fits, want) in cases {
+            let mut after = pending(&["a", "b"]);
+            edit(&mut after);
+            let got = after.restore(records.clone(), Instant::now(), wall + later);
+            assert_eq!(got, want, "{name}");
+            for (node, fits) in ["n1", "n2"].into_iter().zip(fits) {
+                assert_eq!(
+                    filter(&mut after, "b", &[node]).len() == 1,
+                    fits,
+                    "{name}: b on {node}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn journal_records_follow_the_book() {
+        let wall = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let now = Instant::now();
+        let mut state = pending(&["a", "b"]);
+        assert_eq!(
+            state.journal_record("uid-a", now, wall),
+            JournalRecord::Ended {
+                pod: "uid-a".into()
+            }
+        );
+        filter(&mut state, "a", &["n2", "n1"]);
+        match state.journal_record("uid-a", now, wall) {
+            JournalRecord::Reserved(r) => {
+                assert_eq!(r.nodes, ["n1", "n2"]);
+                assert_eq!(r.entries.len(), 1);
+                assert_eq!(r.entries[0].size, 6 * GI);
+                // The book's TTL (600 s) after `now`, on the wall clock.
+                assert_eq!(r.expires_unix_ms, Some(1_800_000_600_000));
+            }
+            other => panic!("expected a reservation, got {other:?}"),
+        }
+        // Filtered again where it fits nowhere: the reservation ends.
+        state.apply_claim(&sized_claim("a", "late", "60Gi", None, None));
+        assert!(filter(&mut state, "a", &["n1"]).is_empty());
+        assert_eq!(
+            state.journal_record("uid-a", now, wall),
+            JournalRecord::Ended {
+                pod: "uid-a".into()
+            }
+        );
+    }
+
+    #[test]
+    fn a_reservation_on_many_nodes_is_journaled_as_held_on_all() {
+        let wall = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let names: Vec<String> = (0..=NODE_LIST_LIMIT).map(|i| format!("n{i}")).collect();
+        let nodes: Vec<&str> = names.iter().map(String::as_str).collect();
+        let build = || {
+            let mut state = state(&nodes, "10Gi", Some(10 * GI));
+            for pod in ["a", "b"] {
+                state.apply_claim(&sized_claim(pod, "late", "6Gi", None, None));
+                state.apply_pod(&claim_pod(pod));
+            }
+            state
+        };
+        let mut before = build();
+        assert_eq!(filter(&mut before, "a", &nodes).len(), nodes.len());
+        let record = match before.journal_record("uid-a", Instant::now(), wall) {
+            JournalRecord::Reserved(r) => r,
+            other => panic!("expected a reservation, got {other:?}"),
+        };
+        assert!(record.all_nodes && record.nodes.is_empty(), "{record:?}");
+        let mut after = build();
+        assert_eq!(
+            after.restore(vec![record], Instant::now(), wall).restored,
+            1
+        );
+        assert!(
+            filter(&mut after, "b", &nodes).is_empty(),
+            "held on every node"
+        );
+    }
+
+    #[test]
+    fn idle_nodes_are_forgotten_unless_a_reservation_holds_them() {
+        let mut state = pending(&["a"]);
+        // A pod bound to a node that never published, and then deleted: its entry is idle.
+        let mut pod = claim_pod("x");
+        if let Some(spec) = pod.spec.as_mut() {
+            spec.node_name = Some("gone".into());
+        }
+        state.apply_pod(&pod);
+        state.index.intern_node("held");
+        let held = state.index.node_id("held").expect("interned");
+        state.book.reserve(
+            "uid-h",
+            [held],
+            [Entry {
+                key: EntryKey::Inline {
+                    pod_uid: "uid-h".into(),
+                    volume: "v".into(),
+                },
+                size: GI,
+            }],
+            Instant::now(),
+        );
+        assert_eq!(state.index.node_count(), 4);
+        assert_eq!(state.forget_idle_nodes(), 1, "only the idle one");
+        assert_eq!(state.index.node_id("gone"), None);
+        assert_eq!(state.index.node_id("held"), Some(held));
+        assert_eq!(state.index.node_name(held), Some("held"));
+        assert!(state.index.node_id("n1").is_some(), "published nodes stay");
+        state.book.pod_deleted("uid-h");
+        assert_eq!(state.forget_idle_nodes(), 1);
+        assert_eq!(state.index.node_name(held), None);
     }
 
     #[test]

@@ -30,7 +30,10 @@ use crate::capacity_index::NodeHasher;
 pub const DEFAULT_TTL: Duration = Duration::from_secs(10 * 60);
 
 /// What one reserved volume is.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(
+    Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(tag = "kind", rename_all = "lowercase")]
 pub enum EntryKey {
     /// A PVC (also the PVC of a generic ephemeral volume), ended by its selected-node.
     Claim {
@@ -49,9 +52,10 @@ pub enum EntryKey {
 }
 
 /// One reserved volume.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Entry {
     /// Which volume.
+    #[serde(flatten)]
     pub key: EntryKey,
     /// Its requested size in bytes; each node's fit rounds it up to that node's alignment.
     pub size: u64,
@@ -148,6 +152,20 @@ impl<N: Hash + Eq + Clone> ReservationBook<N> {
         entries: impl IntoIterator<Item = Entry>,
         now: Instant,
     ) -> Option<ReservationSummary<N>> {
+        let expires = now.checked_add(self.ttl);
+        self.reserve_until(pod_uid, nodes, entries, now, expires)
+    }
+
+    /// [`ReservationBook::reserve`] with the expiry given (`None`: never), for a reservation
+    /// brought back after a restart, which keeps the expiry it had.
+    pub fn reserve_until(
+        &mut self,
+        pod_uid: &str,
+        nodes: impl IntoIterator<Item = N>,
+        entries: impl IntoIterator<Item = Entry>,
+        now: Instant,
+        expires: Option<Instant>,
+    ) -> Option<ReservationSummary<N>> {
         let replaced = self.remove(pod_uid);
         let nodes: HashSet<N, NodeHasher> = nodes.into_iter().collect();
         let entries: BTreeMap<EntryKey, u64> =
@@ -169,7 +187,7 @@ impl<N: Hash + Eq + Clone> ReservationBook<N> {
                 nodes,
                 entries,
                 created: now,
-                expires: now.checked_add(self.ttl),
+                expires,
             },
         );
         replaced
@@ -289,6 +307,40 @@ impl<N: Hash + Eq + Clone> ReservationBook<N> {
     /// Whether no reservation is open.
     pub fn is_empty(&self) -> bool {
         self.by_pod.is_empty()
+    }
+
+    /// Every open reservation: the pod's uid, its nodes, its entries and its expiry.
+    pub fn iter(
+        &self,
+    ) -> impl Iterator<
+        Item = (
+            &str,
+            impl Iterator<Item = &N>,
+            impl Iterator<Item = Entry>,
+            Option<Instant>,
+        ),
+    > {
+        self.by_pod.iter().map(|(uid, r)| {
+            (
+                uid.as_str(),
+                r.nodes.iter(),
+                r.entries.iter().map(|(key, size)| Entry {
+                    key: key.clone(),
+                    size: *size,
+                }),
+                r.expires,
+            )
+        })
+    }
+
+    /// The nodes some open reservation is held on (with repetitions).
+    pub fn held_on(&self) -> impl Iterator<Item = &N> {
+        self.by_pod.values().flat_map(|r| r.nodes.iter())
+    }
+
+    /// Whether the pod holds an open reservation.
+    pub fn contains(&self, pod_uid: &str) -> bool {
+        self.by_pod.contains_key(pod_uid)
     }
 
     /// The open reservation of a pod, if any.

@@ -2,6 +2,11 @@
 //! reading facts back out of PEMs, deciding when the serving certificate is re-issued, and
 //! building the `caBundle` that the MutatingWebhookConfiguration trusts.
 //!
+//! It also holds the rules of the certificates' life cycle, as pure functions of plain facts:
+//! which CA the Secret holds next ([`choose_ca`]: kept, restored from memory, renewed or issued),
+//! when a serving certificate of it may be served ([`plan_leaf`]: only once the apiserver
+//! trusts its CA), and how long replaced CAs stay trusted ([`keep_previous`]).
+//!
 //! The leader keeps all of this in a Secret; this module neither reads nor writes it.
 
 use std::collections::BTreeSet;
@@ -16,7 +21,8 @@ use rustls_pki_types::{CertificateDer, DnsName};
 use time::{Duration, OffsetDateTime};
 use x509_parser::prelude::{FromDer, GeneralName, X509Certificate};
 
-/// Default lifetime of the CA; it is only replaced by `pmem-csi controller rotate-ca`.
+/// Default lifetime of the CA; renewed at 2/3 of it ([`ca_due`]) or by `pmem-csi controller
+/// rotate-ca`.
 pub const CA_VALIDITY: Duration = Duration::days(3650);
 
 /// Default lifetime of the serving certificate; re-issued at 2/3 of it (after 60 days).
@@ -400,6 +406,192 @@ pub fn ca_bundle(current_ca_pem: &str, previous: Option<&str>) -> Result<String,
     Ok(bundle)
 }
 
+/// Whether the CA valid from `not_before` to `not_after` is renewed at `now`: by the same rule
+/// as the serving certificate ([`leaf_due`]), once 2/3 of its life have passed. The third that
+/// is left covers the overlap in which the bundle trusts both CAs and every leaf of the old one
+/// is replaced; a leaf never outlives its CA ([`issue_leaf`]), so waiting longer would shorten
+/// the leaves issued meanwhile.
+pub fn ca_due(not_before: OffsetDateTime, not_after: OffsetDateTime, now: OffsetDateTime) -> bool {
+    leaf_due(not_before, not_after, now)
+}
+
+/// Whether `key_pem` is the private key of the first certificate in `cert_pem`. A Secret whose
+/// CA certificate parses but whose key is garbage (or another CA's) cannot sign anything.
+pub fn key_matches(cert_pem: &str, key_pem: &str) -> bool {
+    use rcgen::PublicKeyData;
+    let (Ok(der), Ok(key)) = (
+        first_der(cert_pem, "certificate"),
+        KeyPair::from_pem(key_pem),
+    ) else {
+        return false;
+    };
+    x509(&der, "certificate")
+        .is_ok_and(|cert| cert.public_key().subject_public_key.data.as_ref() == key.der_bytes())
+}
+
+/// `cert_pem` and `key_pem` as a CA, when the certificate is a CA and the key is its own.
+pub fn usable_ca(cert_pem: &str, key_pem: &str) -> Option<CaPem> {
+    let facts = parse_cert(cert_pem, "CA").ok()?;
+    (facts.is_ca && key_matches(cert_pem, key_pem)).then(|| CaPem {
+        cert_pem: cert_pem.to_owned(),
+        key_pem: key_pem.to_owned(),
+    })
+}
+
+/// `cert_pem` and `key_pem` as a serving certificate, when the certificate parses, is not a CA
+/// and the key is its own (what a replica can load).
+pub fn usable_leaf(cert_pem: &str, key_pem: &str) -> Option<LeafPem> {
+    let facts = parse_cert(cert_pem, "serving certificate").ok()?;
+    (!facts.is_ca && key_matches(cert_pem, key_pem)).then(|| LeafPem {
+        cert_pem: cert_pem.to_owned(),
+        key_pem: key_pem.to_owned(),
+    })
+}
+
+/// Where a certificate's validity starts and ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Validity {
+    /// Start of validity.
+    pub not_before: OffsetDateTime,
+    /// End of validity.
+    pub not_after: OffsetDateTime,
+}
+
+impl From<&CertFacts> for Validity {
+    fn from(facts: &CertFacts) -> Self {
+        Self {
+            not_before: facts.not_before,
+            not_after: facts.not_after,
+        }
+    }
+}
+
+/// Which CA the leader's pass writes into the Secret.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CaChoice {
+    /// The Secret's CA, usable and not due.
+    Keep,
+    /// The Secret's CA is due ([`ca_due`]): a new one, the old one trusted as previous.
+    Renew,
+    /// The Secret lost its CA (deleted, or certificate or key unreadable) but this process
+    /// remembers the contents it last saw: write them back, so that nothing changes for the
+    /// apiserver or the replicas.
+    Restore,
+    /// The Secret lost its CA and nobody remembers its key: a new one, trusted next to
+    /// whatever the bundle held, and served only once the apiserver trusts it.
+    Issue,
+}
+
+/// Decides the CA of this pass from the Secret's usable CA and the one this process remembers.
+/// A usable CA in the Secret always wins over memory: it may come from `rotate-ca`.
+pub fn choose_ca(
+    stored: Option<Validity>,
+    remembered: Option<Validity>,
+    now: OffsetDateTime,
+) -> CaChoice {
+    match (stored, remembered) {
+        (Some(ca), _) if ca_due(ca.not_before, ca.not_after, now) => CaChoice::Renew,
+        (Some(_), _) => CaChoice::Keep,
+        // A remembered CA that is due is restored all the same; the next pass renews it with
+        // the full overlap, which a new CA issued now could not offer.
+        (None, Some(_)) => CaChoice::Restore,
+        (None, None) => CaChoice::Issue,
+    }
+}
+
+/// Whether the apiserver trusts the CA of this pass, judged from the `caBundle` as it was
+/// before this pass injected anything.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Trust {
+    /// The bundle holds the CA.
+    Trusted,
+    /// The bundle holds other CAs only: a leaf of this CA would fail every call.
+    NotYet,
+    /// There is no configuration or it holds no CA (a fresh install, or an apply wiped it):
+    /// the apiserver cannot call any replica successfully, so no leaf can break a call.
+    NoBundle,
+}
+
+/// Judges [`Trust`] of `ca_pem` from the configuration's bundle (`None`: no configuration).
+/// Unreadable blocks of the bundle are ignored, as the apiserver would reject them.
+pub fn trust_of(ca_pem: &str, injected: Option<&str>) -> Trust {
+    let injected = lenient_blocks(injected.unwrap_or(""));
+    if injected.is_empty() {
+        return Trust::NoBundle;
+    }
+    let Ok(ca) = first_der(ca_pem, "CA") else {
+        return Trust::NotYet;
+    };
+    if injected.iter().any(|b| b.der == ca.as_ref()) {
+        Trust::Trusted
+    } else {
+        Trust::NotYet
+    }
+}
+
+/// What the leader does with the serving certificate this pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeafAction {
+    /// Keep the one the Secret holds.
+    Keep,
+    /// Issue a new one now.
+    Issue(ReissueReason),
+    /// A new one is due but the apiserver does not trust the CA yet: keep what replicas serve
+    /// (even an older CA's leaf), inject the bundle, and issue on a later pass.
+    AwaitTrust(ReissueReason),
+}
+
+/// Decides the serving certificate from [`judge_leaf`]'s verdict and the CA's [`Trust`]: a leaf
+/// of a CA reaches the Secret (hence the replicas) only after the bundle carrying that CA was
+/// in place when the pass began.
+pub fn plan_leaf(verdict: LeafVerdict, trust: Trust) -> LeafAction {
+    match (verdict, trust) {
+        (LeafVerdict::Keep, _) => LeafAction::Keep,
+        (LeafVerdict::Reissue(reason), Trust::Trusted | Trust::NoBundle) => {
+            LeafAction::Issue(reason)
+        }
+        (LeafVerdict::Reissue(reason), Trust::NotYet) => LeafAction::AwaitTrust(reason),
+    }
+}
+
+/// Whether the CAs replaced by a rotation, renewal or repair stay in the bundle. `current_leaf`
+/// is when the Secret's serving certificate was issued, `None` when it is not signed by the
+/// current CA (replicas may still serve an older CA's leaf). They go once the leaf of the
+/// current CA has been in the Secret for `overlap`: replicas reload it within seconds, and
+/// connections opened with an older leaf keep their handshake.
+pub fn keep_previous(
+    current_leaf: Option<OffsetDateTime>,
+    now: OffsetDateTime,
+    overlap: Duration,
+) -> bool {
+    current_leaf.is_none_or(|issued| now < issued + overlap)
+}
+
+/// When a serving certificate was issued: its `not_before` without the backdating.
+pub fn issued_at(facts: &CertFacts) -> OffsetDateTime {
+    (facts.not_before + BACKDATE).min(facts.not_after)
+}
+
+/// The CAs to keep trusting besides `current_ca_pem`: every readable CA certificate in
+/// `sources` (the Secret's previous CAs, what the process remembers, the bundle the apiserver
+/// holds now), deduplicated, without the current CA, expired ones (they verify nothing) and
+/// garbage (a corrupted Secret must not break the bundle). A repair thereby never drops a CA
+/// that the apiserver trusts and a replica may still serve a leaf of.
+pub fn trusted_besides(current_ca_pem: &str, sources: &[&str], now: OffsetDateTime) -> String {
+    let current = first_der(current_ca_pem, "CA").ok();
+    let mut seen: BTreeSet<Vec<u8>> = current.iter().map(|c| c.to_vec()).collect();
+    let mut out = String::new();
+    for block in sources.iter().flat_map(|text| lenient_blocks(text)) {
+        let keep = x509(&block.der, "previous CA")
+            .is_ok_and(|cert| cert.is_ca() && cert.validity().not_after.to_datetime() > now);
+        if keep && seen.insert(block.der.clone()) {
+            out.push_str(&block.text);
+            out.push('\n');
+        }
+    }
+    out
+}
+
 struct PemBlock {
     text: String,
     der: Vec<u8>,
@@ -438,6 +630,18 @@ fn pem_blocks(text: &str, what: &'static str) -> Result<Vec<PemBlock>, SelfSigne
         rest = &rest[end..];
     }
     Ok(blocks)
+}
+
+/// The readable CERTIFICATE blocks of `text`, skipping garbage between and inside them.
+fn lenient_blocks(text: &str) -> Vec<PemBlock> {
+    const END: &str = "-----END CERTIFICATE-----";
+    const BEGIN: &str = "-----BEGIN CERTIFICATE-----";
+    text.split_inclusive(END)
+        // From the last BEGIN of each chunk, so that a truncated block does not swallow the
+        // intact one after it.
+        .filter_map(|chunk| pem_blocks(&chunk[chunk.rfind(BEGIN)?..], "certificate").ok())
+        .flatten()
+        .collect()
 }
 
 #[cfg(test)]
@@ -708,6 +912,232 @@ mod tests {
             ),
         ] {
             assert!(ca_bundle(&current, previous.as_deref()).is_err(), "{name}");
+        }
+    }
+
+    #[test]
+    fn choose_ca_table() {
+        let ca = |from: i64, to: i64| {
+            Some(Validity {
+                not_before: at(from) - BACKDATE,
+                not_after: at(to),
+            })
+        };
+        for (name, stored, remembered, want) in [
+            ("fresh CA", ca(0, 3000), None, CaChoice::Keep),
+            (
+                "memory does not override the Secret",
+                ca(0, 3000),
+                ca(-5, 10),
+                CaChoice::Keep,
+            ),
+            ("a day before 2/3", ca(-1999, 1001), None, CaChoice::Keep),
+            ("2/3 elapsed", ca(-2000, 1000), None, CaChoice::Renew),
+            ("expired", ca(-3000, -1), None, CaChoice::Renew),
+            ("not valid yet", ca(1, 3000), None, CaChoice::Renew),
+            ("lost, remembered", None, ca(0, 3000), CaChoice::Restore),
+            (
+                "lost, remembered but due",
+                None,
+                ca(-2000, 1000),
+                CaChoice::Restore,
+            ),
+            ("lost, forgotten", None, None, CaChoice::Issue),
+        ] {
+            assert_eq!(choose_ca(stored, remembered, at(0)), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn plan_leaf_table() {
+        use LeafAction::*;
+        use ReissueReason::*;
+        for (name, verdict, trust, want) in [
+            ("keep, trusted", LeafVerdict::Keep, Trust::Trusted, Keep),
+            (
+                "keep, CA not in the bundle yet",
+                LeafVerdict::Keep,
+                Trust::NotYet,
+                Keep,
+            ),
+            (
+                "due, trusted",
+                LeafVerdict::Reissue(Due),
+                Trust::Trusted,
+                Issue(Due),
+            ),
+            (
+                "new CA not trusted yet",
+                LeafVerdict::Reissue(OtherCa),
+                Trust::NotYet,
+                AwaitTrust(OtherCa),
+            ),
+            (
+                "new CA trusted",
+                LeafVerdict::Reissue(OtherCa),
+                Trust::Trusted,
+                Issue(OtherCa),
+            ),
+            (
+                "missing, CA not trusted",
+                LeafVerdict::Reissue(Missing),
+                Trust::NotYet,
+                AwaitTrust(Missing),
+            ),
+            (
+                "fresh install",
+                LeafVerdict::Reissue(Missing),
+                Trust::NoBundle,
+                Issue(Missing),
+            ),
+            (
+                "names, bundle wiped",
+                LeafVerdict::Reissue(NamesChanged),
+                Trust::NoBundle,
+                Issue(NamesChanged),
+            ),
+        ] {
+            assert_eq!(plan_leaf(verdict, trust), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn keep_previous_table() {
+        let overlap = Duration::minutes(5);
+        for (name, leaf, now, want) in [
+            ("leaf of an older CA", None, at(10), true),
+            ("new leaf just out", Some(at(0)), at(0), true),
+            (
+                "a second before the overlap ends",
+                Some(at(0)),
+                at(0) + overlap - Duration::seconds(1),
+                true,
+            ),
+            ("overlap over", Some(at(0)), at(0) + overlap, false),
+            ("long after", Some(at(0)), at(30), false),
+        ] {
+            assert_eq!(keep_previous(leaf, now, overlap), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn key_matches_table() {
+        let now = OffsetDateTime::now_utc();
+        let a = issue_ca("A", now, CA_VALIDITY).expect("A");
+        let b = issue_ca("B", now, CA_VALIDITY).expect("B");
+        let leaf = issue_leaf(&a, &names(&["a.example"]), now, LEAF_VALIDITY).expect("leaf");
+        for (name, cert, key, matches, ca, serving) in [
+            ("CA", &a.cert_pem, &a.key_pem, true, true, false),
+            (
+                "CA with another CA's key",
+                &a.cert_pem,
+                &b.key_pem,
+                false,
+                false,
+                false,
+            ),
+            (
+                "CA with garbage key",
+                &a.cert_pem,
+                &"garbage".to_owned(),
+                false,
+                false,
+                false,
+            ),
+            (
+                "garbage certificate",
+                &"garbage".to_owned(),
+                &a.key_pem,
+                false,
+                false,
+                false,
+            ),
+            ("leaf", &leaf.cert_pem, &leaf.key_pem, true, false, true),
+            (
+                "leaf with the CA's key",
+                &leaf.cert_pem,
+                &a.key_pem,
+                false,
+                false,
+                false,
+            ),
+        ] {
+            assert_eq!(key_matches(cert, key), matches, "{name}");
+            assert_eq!(usable_ca(cert, key).is_some(), ca, "{name}");
+            assert_eq!(usable_leaf(cert, key).is_some(), serving, "{name}");
+        }
+    }
+
+    #[test]
+    fn trust_of_and_trusted_besides() {
+        let now = OffsetDateTime::now_utc();
+        let a = issue_ca("A", now, CA_VALIDITY).expect("A").cert_pem;
+        let b = issue_ca("B", now, CA_VALIDITY).expect("B").cert_pem;
+        let expired = issue_ca("old", now - Duration::days(20), Duration::days(10))
+            .expect("expired")
+            .cert_pem;
+        let leaf = issue_leaf(
+            &issue_ca("L", now, CA_VALIDITY).expect("L"),
+            &names(&["a.example"]),
+            now,
+            LEAF_VALIDITY,
+        )
+        .expect("leaf")
+        .cert_pem;
+        let garbage = "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n";
+        let truncated = &b[..b.len() - 30];
+        for (name, bundle, want) in [
+            ("no configuration", None, Trust::NoBundle),
+            ("wiped", Some(String::new()), Trust::NoBundle),
+            ("garbage only", Some(garbage.to_owned()), Trust::NoBundle),
+            ("holds it", Some(format!("{b}{a}")), Trust::Trusted),
+            (
+                "holds it after garbage",
+                Some(format!("{garbage}{a}")),
+                Trust::Trusted,
+            ),
+            ("holds another", Some(b.clone()), Trust::NotYet),
+        ] {
+            assert_eq!(trust_of(&a, bundle.as_deref()), want, "{name}");
+        }
+
+        let ders = |s: &str| {
+            CertificateDer::pem_slice_iter(s.as_bytes())
+                .map(|c| c.expect("parses").to_vec())
+                .collect::<Vec<_>>()
+        };
+        let der = |s: &str| ders(s).remove(0);
+        for (name, sources, want) in [
+            ("nothing", vec![], vec![]),
+            ("current only", vec![a.clone()], vec![]),
+            ("old CA kept", vec![b.clone(), a.clone()], vec![der(&b)]),
+            (
+                "deduplicated across sources",
+                vec![b.clone(), format!("{a}{b}")],
+                vec![der(&b)],
+            ),
+            (
+                "expired dropped",
+                vec![format!("{expired}{b}")],
+                vec![der(&b)],
+            ),
+            ("leaf is no CA", vec![leaf.clone()], vec![]),
+            (
+                "garbage skipped",
+                vec![format!("{garbage}junk{b}")],
+                vec![der(&b)],
+            ),
+            (
+                "truncated block skipped",
+                vec![format!("{truncated}{a}"), b.clone()],
+                vec![der(&b)],
+            ),
+        ] {
+            let refs: Vec<&str> = sources.iter().map(String::as_str).collect();
+            let got = trusted_besides(&a, &refs, now);
+            assert_eq!(ders(&got), want, "{name}");
+            // The result always makes a valid bundle with the current CA.
+            ca_bundle(&a, Some(&got)).expect(name);
         }
     }
 }

@@ -22,7 +22,7 @@ use tls_common::{start_plain, until};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
 use tokio::sync::Notify;
-use webhooks::https::ServeOptions;
+use webhooks::https::{SMALL_BODY_SHARE, ServeOptions};
 
 /// The shipped webhook configuration's `timeoutSeconds`.
 const WEBHOOK_TIMEOUT: Duration = Duration::from_secs(5);
@@ -238,8 +238,7 @@ async fn the_apiserver_is_answered_while_hostile_clients_attack() {
             request_timeout: Some(Duration::from_secs(1)),
             max_connections: 400,
             max_connections_per_peer: 50,
-            max_requests_in_flight: 16,
-            ..ServeOptions::default()
+            ..ServeOptions::webhook()
         },
     )
     .await;
@@ -329,5 +328,135 @@ async fn the_apiserver_is_answered_while_hostile_clients_attack() {
         "apiserver's slowest answer under attack: {slowest:?}; 3 MiB reviews answered meanwhile: {}",
         big_answers.load(Ordering::Relaxed)
     );
+    server.shutdown.cancel();
+}
+
+/// A router whose `/hold` reads the body, then waits until `release` (or 1.5 s) and answers
+/// "held" with the body's length; `entered` counts handlers that got their body.
+fn holding_router(release: Arc<Notify>, entered: Arc<AtomicUsize>) -> Router {
+    review_router()
+        .route(
+            "/hold",
+            post(move |body: Bytes| {
+                let (release, entered) = (Arc::clone(&release), Arc::clone(&entered));
+                async move {
+                    entered.fetch_add(1, Ordering::SeqCst);
+                    let _ =
+                        tokio::time::timeout(Duration::from_millis(1500), release.notified()).await;
+                    format!("held {}", body.len())
+                }
+            }),
+        )
+        // Layers apply to the routes added before them.
+        .layer(DefaultBodyLimit::max(BODY))
+}
+
+/// POSTs `body` to `/hold` on a fresh connection from 127.0.0.`from`.
+async fn hold(from: u8, addr: SocketAddr, body: Vec<u8>) -> Result<(u16, String), String> {
+    let mut s = connect_from(from, addr).await.map_err(|e| e.to_string())?;
+    let head = format!(
+        "POST /hold HTTP/1.1\r\nHost: webhook\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes())
+        .await
+        .map_err(|e| e.to_string())?;
+    s.write_all(&body).await.map_err(|e| e.to_string())?;
+    read_response(&mut s).await
+}
+
+/// The apiserver sends one review per connection for each pod it admits at once, all from its
+/// own address: 200 reviews of an ordinary pod's size in flight together, as the webhook's
+/// shipped limits see them, are all answered — not shed as a flood.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_ordinary_reviews_from_one_apiserver_is_not_shed() {
+    const BURST: usize = 200;
+    let release = Arc::new(Notify::new());
+    let entered = Arc::new(AtomicUsize::new(0));
+    let server = start_plain(
+        holding_router(Arc::clone(&release), Arc::clone(&entered)),
+        ServeOptions::webhook(),
+    )
+    .await;
+    let addr = server.addr;
+    let reviews: Vec<_> = (0..BURST)
+        .map(|_| tokio::spawn(hold(2, addr, vec![b' '; 20 << 10])))
+        .collect();
+    until(WAIT, "every review in its handler at once", || async {
+        entered.load(Ordering::SeqCst) == BURST
+    })
+    .await;
+    release.notify_waiters();
+    let mut statuses = std::collections::BTreeMap::<String, usize>::new();
+    for review in reviews {
+        let answer = match review.await.expect("join") {
+            Ok((status, body)) => format!("{status} {body}"),
+            Err(e) => e,
+        };
+        *statuses.entry(answer).or_default() += 1;
+    }
+    assert_eq!(
+        statuses,
+        std::collections::BTreeMap::from([(format!("200 held {}", 20 << 10), BURST)])
+    );
+    server.shutdown.cancel();
+}
+
+/// The body budget, not a request count, bounds memory: with twelve 3 MiB reviews in flight
+/// (36 MiB of 48), a thirteenth is shed at once, while ordinary reviews still fit in the
+/// quarter kept for them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reviews_over_the_body_budget_are_shed_at_once() {
+    let release = Arc::new(Notify::new());
+    let entered = Arc::new(AtomicUsize::new(0));
+    let options = ServeOptions {
+        // Long, so that the held requests stay until released.
+        request_timeout: Some(Duration::from_secs(20)),
+        ..ServeOptions::webhook()
+    };
+    let full = options.max_body_bytes_in_flight * (SMALL_BODY_SHARE - 1) / SMALL_BODY_SHARE / BODY;
+    assert_eq!(full, 12);
+    let server = start_plain(
+        holding_router(Arc::clone(&release), Arc::clone(&entered)),
+        options,
+    )
+    .await;
+    let addr = server.addr;
+    let holders: Vec<_> = (0..full)
+        .map(|i| tokio::spawn(hold(10 + i as u8, addr, vec![b' '; BODY])))
+        .collect();
+    until(WAIT, "the big reviews in their handlers", || async {
+        entered.load(Ordering::SeqCst) == full
+    })
+    .await;
+    let mut shed = connect_from(3, addr).await.expect("connect");
+    shed.write_all(
+        format!("POST /review HTTP/1.1\r\nHost: x\r\nContent-Length: {BODY}\r\n\r\n").as_bytes(),
+    )
+    .await
+    .expect("headers");
+    let (status, body) = read_response(&mut shed).await.expect("an answer");
+    assert_eq!(status, 503, "{body}");
+    // No Content-Length (chunked) counts as the largest body: shed as well.
+    let mut chunked = connect_from(3, addr).await.expect("connect");
+    chunked
+        .write_all(b"POST /review HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        .await
+        .expect("headers");
+    let (status, body) = read_response(&mut chunked).await.expect("an answer");
+    assert_eq!(status, 503, "{body}");
+    let mut small = connect_from(2, addr).await.expect("connect");
+    assert_eq!(
+        review(&mut small, b"{}").await.expect("review"),
+        (200, "2".into()),
+        "an ordinary review still fits"
+    );
+    release.notify_waiters();
+    for holder in holders {
+        assert_eq!(
+            holder.await.expect("join").expect("held"),
+            (200, format!("held {BODY}"))
+        );
+    }
     server.shutdown.cancel();
 }
