@@ -134,6 +134,11 @@ async fn stopped_driver_loses_its_claims_restarted_one_keeps_them() {
 async fn a_starved_node_client_does_not_starve_the_heartbeat() {
     let f = fixture();
     let client = f.env.client().await.expect("client");
+    // The driver's token is bound to its Node, as on a cluster, so the Node must exist.
+    NodeSpec::with_driver("starved")
+        .create(&client, DRIVER)
+        .await
+        .expect("node");
     let root = tempfile::tempdir().expect("tempdir");
     let dirs = NodeDriverDirs::under(root.path());
     let driver = f

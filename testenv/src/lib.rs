@@ -373,6 +373,22 @@ impl TestEnv {
             env.shutdown.child_token(),
         )
         .await?;
+        if env
+            .manifests
+            .object("ValidatingAdmissionPolicy", manifests::NODE_LEASE_POLICY)
+            .is_some()
+        {
+            // Like RBAC above: no node process may start before the policy holds it.
+            let node_client =
+                control_plane::client_from(&env.unbound_node_kubeconfig()?, "node").await?;
+            service_accounts::wait_node_lease_policy(
+                &node_client,
+                manifests::NAMESPACE,
+                manifests::NODE_LEASE_POLICY,
+                std::time::Duration::from_secs(30),
+            )
+            .await?;
+        }
         if let (Some(args), Some((route, admin))) = (builder.extender.take(), extender_ports) {
             let address = SocketAddr::from(([127, 0, 0, 1], route));
             let admin = SocketAddr::from(([127, 0, 0, 1], admin));
@@ -421,7 +437,6 @@ impl TestEnv {
                 client: client.clone(),
                 tools: env.tools.clone(),
                 root: env.dir().to_path_buf(),
-                kubeconfig: env.node_kubeconfig()?,
                 manifests: env.manifests.clone(),
                 driver_name: env.driver_name.clone(),
                 options,
@@ -430,12 +445,12 @@ impl TestEnv {
                 env.nodes.iter().filter(|n| n.driver).cloned().collect();
             for node in &driver_nodes {
                 let kubeconfig = if launcher.options.partitionable {
-                    Some(env.partitionable_kubeconfig(&node.name).await?)
+                    env.partitionable_kubeconfig(&node.name).await?
                 } else {
-                    None
+                    env.node_identity_kubeconfig(&node.name).await?
                 };
                 let processes = launcher
-                    .start(node, kubeconfig.as_deref(), |spec| env.supervise(spec))
+                    .start(node, &kubeconfig, |spec| env.supervise(spec))
                     .await?;
                 env.node_processes
                     .lock()
@@ -701,7 +716,8 @@ impl TestEnv {
     }
 
     /// Starts a supervised `pmem-csi node` for `node`, its files in `dirs`, as testenv's own
-    /// node processes run: the rendered container under the node ServiceAccount.
+    /// node processes run: the rendered container under the node ServiceAccount, with a token
+    /// bound to Node `node` (which must exist).
     pub fn supervise_node_driver(
         &self,
         node: &str,
@@ -715,7 +731,7 @@ impl TestEnv {
             node,
             dirs,
             options,
-            &self.node_kubeconfig()?,
+            &self.node_kubeconfig(node)?,
         )?;
         Ok(self.supervise(spec))
     }
@@ -741,12 +757,62 @@ impl TestEnv {
         self.accounts.token_file(name)
     }
 
-    fn node_kubeconfig(&self) -> Result<PathBuf, TestEnvError> {
-        let account = self
+    /// The node ServiceAccount's kubeconfig with a token bound to no node: what the policy
+    /// `manifests::NODE_LEASE_POLICY` lets write no Lease.
+    fn unbound_node_kubeconfig(&self) -> Result<PathBuf, TestEnvError> {
+        self.account_kubeconfig(&self.node_account()?, "pmem-driver")
+    }
+
+    /// The ServiceAccount the node DaemonSet's containers run under.
+    fn node_account(&self) -> Result<String, TestEnvError> {
+        Ok(self
             .manifests
             .launch(manifests::OurContainer::NodeDriver)?
-            .service_account;
-        self.account_kubeconfig(&account, "pmem-driver")
+            .service_account)
+    }
+
+    /// The kubeconfig `node`'s processes run with: the node ServiceAccount's, its token bound
+    /// to Node `node` (which must exist), as kubelet's projected token of a DaemonSet pod on
+    /// that node is, so that the API server names the node in the caller's user info. Issued
+    /// on first use and renewed with the other tokens.
+    pub async fn node_identity_kubeconfig(&self, node: &str) -> Result<PathBuf, TestEnvError> {
+        let account = self.node_account()?;
+        if let Some(path) = self.accounts.bound_to_node_if_issued(&account, node) {
+            return Ok(path);
+        }
+        let client = self.client().await?;
+        Ok(self.accounts.bound_to_node(&client, &account, node).await?)
+    }
+
+    /// [`TestEnv::node_identity_kubeconfig`] for synchronous callers. The token is requested
+    /// on a thread and runtime of its own: the caller may be on a current-thread runtime that
+    /// it blocks while waiting here.
+    fn node_kubeconfig(&self, node: &str) -> Result<PathBuf, TestEnvError> {
+        if let Some(path) = self
+            .accounts
+            .bound_to_node_if_issued(&self.node_account()?, node)
+        {
+            return Ok(path);
+        }
+        let runtime_error = |e: std::io::Error| {
+            TestEnvError::ServiceAccounts(service_accounts::ServiceAccountError::Runtime(e))
+        };
+        std::thread::scope(|scope| {
+            scope
+                .spawn(|| {
+                    tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .map_err(runtime_error)?
+                        .block_on(self.node_identity_kubeconfig(node))
+                })
+                .join()
+                .unwrap_or_else(|_| {
+                    Err(runtime_error(std::io::Error::other(
+                        "the thread issuing the token panicked",
+                    )))
+                })
+        })
     }
 
     /// The kubeconfig of ServiceAccount `account`, which `container` runs under.
@@ -827,7 +893,7 @@ impl TestEnv {
                 parent: PathBuf::from(&server),
                 source,
             })?;
-        let own = self.node_kubeconfig()?;
+        let own = self.node_identity_kubeconfig(node).await?;
         let admin = std::fs::read_to_string(&own).map_err(|source| TestEnvError::WorkDir {
             parent: own.clone(),
             source,

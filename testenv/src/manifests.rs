@@ -1,8 +1,9 @@
 //! Our processes as the manifests describe them. testenv renders `manifests/overlays/emulated`
 //! plus the `scheduler-extender` component with the tool cache's kubectl, applies the
-//! cluster-side objects (Namespace, CSIDriver, StorageClasses, ServiceAccounts, RBAC) and starts
-//! every process of ours with the command line and environment of its rendered container,
-//! changed only through [`Overrides`] — so a flag that the manifests get wrong fails the tests.
+//! cluster-side objects (Namespace, CSIDriver, StorageClasses, ServiceAccounts, RBAC, admission
+//! policies) and starts every process of ours with the command line and environment of its
+//! rendered container, changed only through [`Overrides`] — so a flag that the manifests get
+//! wrong fails the tests.
 //!
 //! Sans-IO core: [`Rendered::launch`], [`Overrides::apply`] and [`expand`] are pure; only
 //! [`Rendered::render`] runs kubectl.
@@ -20,6 +21,9 @@ pub const OVERLAY: &str = "manifests/overlays/emulated";
 pub const COMPONENT: &str = "manifests/components/scheduler-extender";
 /// The namespace the manifests install into.
 pub const NAMESPACE: &str = "pmem-csi";
+/// The ValidatingAdmissionPolicy (and its binding) that lets the node ServiceAccount write only
+/// the heartbeat Lease of the node its token is bound to (`manifests/base/node-lease-policy.yaml`).
+pub const NODE_LEASE_POLICY: &str = "pmem-csi-intel-com-node-leases";
 
 /// Kinds testenv applies from the rendered manifests: the objects the API server needs for our
 /// processes to run as the manifests say. Workloads are not applied (testenv runs their
@@ -34,6 +38,8 @@ pub const APPLIED_KINDS: &[&str] = &[
     "ClusterRoleBinding",
     "Role",
     "RoleBinding",
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
 ];
 
 /// What can go wrong rendering or reading the manifests.

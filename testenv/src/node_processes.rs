@@ -193,8 +193,6 @@ pub struct NodeLauncher {
     pub tools: Tools,
     /// The testenv's work directory.
     pub root: std::path::PathBuf,
-    /// Kubeconfig the processes use (the node ServiceAccount's).
-    pub kubeconfig: std::path::PathBuf,
     /// The rendered manifests the processes are started from.
     pub manifests: std::sync::Arc<Rendered>,
     /// Driver name.
@@ -218,14 +216,14 @@ impl DriverOptions {
 
 impl NodeLauncher {
     /// Starts the processes of `node` and registers the driver in its CSINode once it serves;
-    /// they reach the apiserver with `kubeconfig` (the launcher's when `None`).
+    /// they reach the apiserver with `kubeconfig` (the node ServiceAccount's, its token bound
+    /// to that node: see [`crate::TestEnv::node_identity_kubeconfig`]).
     pub async fn start(
         &self,
         node: &NodeSpec,
-        kubeconfig: Option<&Path>,
+        kubeconfig: &Path,
         supervise: impl Fn(ProcessSpec) -> Supervised,
     ) -> Result<NodeProcesses, NodeProcessesError> {
-        let kubeconfig = kubeconfig.unwrap_or(&self.kubeconfig);
         let dirs = NodeDriverDirs::under(&self.root.join("nodes").join(&node.name));
         let manifest_error = |source| NodeProcessesError::Manifest {
             node: node.name.clone(),

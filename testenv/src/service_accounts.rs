@@ -1,13 +1,20 @@
 //! Our processes talk to the API server as the manifests' ServiceAccounts, never as admin: the
-//! rendered Namespace, CSIDriver, StorageClasses, ServiceAccounts and RBAC are applied, and each
-//! ServiceAccount gets a kubeconfig whose `tokenFile` holds a TokenRequest token that a
-//! background task renews (kube-rs and client-go both re-read token files every minute).
+//! rendered Namespace, CSIDriver, StorageClasses, ServiceAccounts, RBAC and admission policies
+//! are applied, and each ServiceAccount gets a kubeconfig whose `tokenFile` holds a TokenRequest
+//! token that a background task renews (kube-rs and client-go both re-read token files every
+//! minute).
+//!
+//! A node's processes get a token of the node ServiceAccount bound to their Node object, as
+//! kubelet's projected token is bound to the pod (and so to its node): the API server then puts
+//! `authentication.kubernetes.io/node-name` into the caller's user info, which the manifests'
+//! ValidatingAdmissionPolicy `<driver>-node-leases` matches against the Lease a node writes.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::ServiceAccount;
 use kube::api::{DynamicObject, Patch, PatchParams, PostParams};
 use kube::core::GroupVersionKind;
@@ -64,6 +71,12 @@ pub enum ServiceAccountError {
     /// A kubeconfig could not be written.
     #[error(transparent)]
     Kubeconfig(#[from] kubeconfig::KubeconfigError),
+    /// The manifests' node Lease policy never took effect.
+    #[error("admission policy not in effect: {0}")]
+    PolicyNotInEffect(String),
+    /// A synchronous caller's token could not be issued on a thread of its own.
+    #[error("issuing a token off the caller's runtime: {0}")]
+    Runtime(std::io::Error),
 }
 
 /// Server-side applies the rendered objects of [`APPLIED_KINDS`] as field manager `testenv`,
@@ -164,10 +177,52 @@ pub async fn wait_authorized(
     Ok(())
 }
 
+/// A token file kept fresh: whose, and the Node it is bound to (if any).
+#[derive(Clone, Debug)]
+struct TokenFile {
+    account: String,
+    node: Option<String>,
+    path: PathBuf,
+}
+
+/// Where kubeconfigs are written and which API server they name.
+#[derive(Clone, Debug, Default)]
+struct Target {
+    namespace: String,
+    dir: PathBuf,
+    server: String,
+    ca_file: PathBuf,
+}
+
+impl Target {
+    /// Issues the token of `file` and writes the kubeconfig `<dir>/<name>.kubeconfig` that reads
+    /// it; returns the kubeconfig's path.
+    async fn write(
+        &self,
+        client: &Client,
+        file: &TokenFile,
+        name: &str,
+    ) -> Result<PathBuf, ServiceAccountError> {
+        write_token(client, &self.namespace, file).await?;
+        Ok(kubeconfig::write(
+            &self.dir,
+            name,
+            &self.server,
+            &self.ca_file,
+            Credentials::TokenFile(&file.path),
+        )?)
+    }
+}
+
 /// Kubeconfigs of ServiceAccounts, their tokens kept fresh until `shutdown`.
 #[derive(Debug, Default)]
 pub struct ServiceAccountKubeconfigs {
     by_name: BTreeMap<String, PathBuf>,
+    /// Kubeconfigs of tokens bound to a Node, by (ServiceAccount, node); issued on demand.
+    by_node: Mutex<BTreeMap<(String, String), PathBuf>>,
+    /// Every token file the background task renews; node-bound ones join as they are issued.
+    renewed: Arc<Mutex<Vec<TokenFile>>>,
+    target: Target,
 }
 
 impl ServiceAccountKubeconfigs {
@@ -183,37 +238,52 @@ impl ServiceAccountKubeconfigs {
         renewal: Duration,
         shutdown: CancellationToken,
     ) -> Result<Self, ServiceAccountError> {
+        let target = Target {
+            namespace: namespace.into(),
+            dir: dir.into(),
+            server: server.into(),
+            ca_file: ca_file.into(),
+        };
         let mut by_name = BTreeMap::new();
-        let mut token_files = Vec::new();
+        let mut files = Vec::new();
         for name in names {
-            let token_file = dir.join(format!("sa-{name}.token"));
-            write_token(client, namespace, name, &token_file).await?;
-            let path = kubeconfig::write(
-                dir,
-                &format!("sa-{name}"),
-                server,
-                ca_file,
-                Credentials::TokenFile(&token_file),
-            )?;
+            let file = TokenFile {
+                account: name.clone(),
+                node: None,
+                path: dir.join(format!("sa-{name}.token")),
+            };
+            let path = target.write(client, &file, &format!("sa-{name}")).await?;
             by_name.insert(name.clone(), path);
-            token_files.push((name.clone(), token_file));
+            files.push(file);
         }
+        let renewed = Arc::new(Mutex::new(files));
         let client = client.clone();
         let namespace = namespace.to_string();
+        let listed = renewed.clone();
         tokio::spawn(async move {
             loop {
                 tokio::select! {
                     () = shutdown.cancelled() => return,
                     () = tokio::time::sleep(renewal) => {}
                 }
-                for (name, file) in &token_files {
-                    if let Err(e) = write_token(&client, &namespace, name, file).await {
-                        tracing::warn!("renewing the token of {namespace}/{name}: {e}");
+                // A copy, so that no lock is held across the requests.
+                let files = listed
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .clone();
+                for file in &files {
+                    if let Err(e) = write_token(&client, &namespace, file).await {
+                        tracing::warn!("renewing the token of {namespace}/{}: {e}", file.account);
                     }
                 }
             }
         });
-        Ok(Self { by_name })
+        Ok(Self {
+            by_name,
+            by_node: Mutex::default(),
+            renewed,
+            target,
+        })
     }
 
     /// The kubeconfig of ServiceAccount `name`.
@@ -225,18 +295,105 @@ impl ServiceAccountKubeconfigs {
     pub fn token_file(&self, name: &str) -> Option<PathBuf> {
         self.get(name).map(|k| k.with_extension("token"))
     }
+
+    /// The kubeconfig of ServiceAccount `account` with a token bound to Node `node`, as the
+    /// processes on that node hold it: issued on first use (the Node must exist), renewed with
+    /// the others. The token stops working when that Node is deleted.
+    pub async fn bound_to_node(
+        &self,
+        client: &Client,
+        account: &str,
+        node: &str,
+    ) -> Result<PathBuf, ServiceAccountError> {
+        let key = (account.to_string(), node.to_string());
+        if let Some(path) = self.bound_to_node_if_issued(account, node) {
+            return Ok(path);
+        }
+        let name = format!("sa-{account}-node-{node}");
+        let file = TokenFile {
+            account: account.into(),
+            node: Some(node.into()),
+            path: self.target.dir.join(format!("{name}.token")),
+        };
+        let path = self.target.write(client, &file, &name).await?;
+        // A concurrent caller may have issued it meanwhile: then it is renewed already.
+        let first = self
+            .by_node
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(key, path.clone())
+            .is_none();
+        if first {
+            self.renewed
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(file);
+        }
+        Ok(path)
+    }
+
+    /// The kubeconfig [`ServiceAccountKubeconfigs::bound_to_node`] issued, if it did.
+    pub fn bound_to_node_if_issued(&self, account: &str, node: &str) -> Option<PathBuf> {
+        self.by_node
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&(account.to_string(), node.to_string()))
+            .cloned()
+    }
 }
 
-/// Requests a token for `namespace/name` and replaces `file` with it atomically.
+/// Waits until the ValidatingAdmissionPolicy `policy` (the manifests' `<driver>-node-leases`)
+/// is in effect: until a dry-run Lease create in `namespace` by `node_client`, the node
+/// ServiceAccount with a token bound to no node, is refused in its name. A policy reaches the
+/// admission plugin through an informer a moment after it is applied, and until then a node
+/// could write any Lease.
+pub async fn wait_node_lease_policy(
+    node_client: &Client,
+    namespace: &str,
+    policy: &str,
+    timeout: Duration,
+) -> Result<(), ServiceAccountError> {
+    use k8s_openapi::api::coordination::v1::Lease;
+    let api = Api::<Lease>::namespaced(node_client.clone(), namespace);
+    let probe = Lease {
+        metadata: kube::api::ObjectMeta {
+            name: Some(format!("{policy}-probe")),
+            ..Default::default()
+        },
+        spec: None,
+    };
+    let params = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    crate::wait::until(&format!("{policy} to refuse"), timeout, || async {
+        match api.create(&params, &probe).await {
+            Err(kube::Error::Api(status)) if status.message.contains(policy) => Ok(()),
+            Err(e) => Err(e.to_string()),
+            Ok(_) => Err("a token bound to no node may still create a Lease".to_string()),
+        }
+    })
+    .await
+    .map_err(|e| ServiceAccountError::PolicyNotInEffect(e.to_string()))
+}
+
+/// Requests a token for `file` (its ServiceAccount in `namespace`, bound to its Node if it
+/// names one) and replaces the file with it atomically.
 async fn write_token(
     client: &Client,
     namespace: &str,
-    name: &str,
-    file: &Path,
+    file: &TokenFile,
 ) -> Result<(), ServiceAccountError> {
+    let name = &file.account;
     let request = TokenRequest {
         spec: Some(TokenRequestSpec {
             expiration_seconds: Some(TOKEN_LIFETIME.as_secs() as i64),
+            bound_object_ref: file.node.as_ref().map(|node| BoundObjectReference {
+                api_version: Some("v1".into()),
+                kind: Some("Node".into()),
+                name: Some(node.clone()),
+                uid: None,
+            }),
             ..Default::default()
         }),
         ..Default::default()
@@ -254,11 +411,11 @@ async fn write_token(
         .and_then(|s| s.token)
         .filter(|t| !t.is_empty())
         .ok_or_else(|| ServiceAccountError::EmptyToken(format!("{namespace}/{name}")))?;
-    let temporary = file.with_extension("token.new");
+    let temporary = file.path.with_extension("token.new");
     let write_error = |source| ServiceAccountError::Write {
-        path: file.to_path_buf(),
+        path: file.path.clone(),
         source,
     };
     std::fs::write(&temporary, token).map_err(write_error)?;
-    std::fs::rename(&temporary, file).map_err(write_error)
+    std::fs::rename(&temporary, &file.path).map_err(write_error)
 }
