@@ -788,6 +788,11 @@ no_volume_left() { # <what>
 }
 csinode_lists_driver() { $KUBECTL get csinode "$1" -o jsonpath='{.spec.drivers[*].name}' | grep -qw pmem-csi.intel.com; }
 capacity_of() { $KUBECTL -n pmem-csi get csistoragecapacities -o name | grep -q "pmem-csi-$1-"; }
+# The node's heartbeat Lease, held by the node: written with kubelet's pod-bound token, which
+# the Lease policy (manifests/base/node-lease-policy.yaml) requires to name this node.
+heartbeat_of() {
+  [[ $($KUBECTL -n pmem-csi get lease "pmem-csi-intel-com-node-$1" -o jsonpath='{.spec.holderIdentity}' 2>/dev/null) == "$1" ]]
+}
 
 verify() {
   local t0=$SECONDS n out
@@ -800,6 +805,7 @@ verify() {
   for n in "${NODES[@]}"; do
     wait_for 60 "CSINode $n lists pmem-csi.intel.com (kubelet's plugin watcher)" csinode_lists_driver "$n"
     wait_for 60 "capacity published by $n" capacity_of "$n"
+    wait_for 60 "the heartbeat Lease of $n (through the node Lease policy)" heartbeat_of "$n"
   done
   # A late-binding claim: written by one pod, read back by the next.
   $KUBECTL apply -f - >/dev/null <<EOF
