@@ -318,7 +318,7 @@ mod tests {
         let end_a = JournalRecord::Ended { pod: "a".into() };
         let cases: Vec<(&str, String, Vec<&str>, usize)> = vec![
             ("empty", String::new(), vec![], 0),
-            ("one", text(&[a1.clone()]), vec!["a"], 0),
+            ("one", text(std::slice::from_ref(&a1)), vec!["a"], 0),
             (
                 "the last record of a pod wins",
                 text(&[a1.clone(), a2.clone()]),
