@@ -104,7 +104,8 @@ pub struct ControlPlane {
 
 impl ControlPlane {
     /// Starts etcd, kube-apiserver, kube-controller-manager and kube-scheduler under `dir`,
-    /// all under `SCHED_IDLE` when `idle`.
+    /// all under `SCHED_IDLE` when `idle`. With `shared_audit`, the audit log goes where
+    /// `PMEM_CSI_AUDIT_DIR` says (the least-privilege check reads it), otherwise into `dir`.
     pub async fn start(
         dir: &Path,
         tools: &Tools,
@@ -112,6 +113,7 @@ impl ControlPlane {
         group: &ProcessGroup,
         scheduler: &SchedulerConfig,
         idle: bool,
+        shared_audit: bool,
     ) -> Result<Self, ControlPlaneError> {
         let certs = dir.join("pki");
         let logs = dir.join("logs");
@@ -164,7 +166,11 @@ impl ControlPlane {
                 source,
             },
         )?;
-        let audit_log = audit_log_path(&logs)?;
+        let audit_log = if shared_audit {
+            audit_log_path(&logs)?
+        } else {
+            logs.join("audit.log")
+        };
         let api_port = port()?;
         let server = format!("https://127.0.0.1:{api_port}");
         let apiserver = Component::start(
