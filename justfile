@@ -1,4 +1,4 @@
-# pmem-csi's one command surface: CI calls these recipes, the README documents them.
+# pmem-csi's one command surface: CI calls these recipes, the README and docs/ document them.
 
 set shell := ["bash", "-euo", "pipefail", "-c"]
 

@@ -230,7 +230,7 @@ fn probes_selectors_and_sockets_agree() {
 
 #[test]
 fn kubelet_dir_is_set_in_one_place() {
-    // What the README tells users: a Component patching the ConfigMap, then kubelet-dir again.
+    // What docs/install-and-operate.md tells users: a Component patching the ConfigMap, then kubelet-dir again.
     let kubectl = env().tools().go("kubectl");
     let scratch = tempfile::tempdir().expect("scratch");
     let dir = scratch.path();

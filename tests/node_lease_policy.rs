@@ -166,7 +166,7 @@ async fn a_node_cannot_write_another_nodes_or_a_leader_lease() {
         // The name is hash-shortened and both names keep the same prefix, so the policy cannot
         // tell them apart by name: the holder decides. Created in the other node's name (the
         // forgery a holder-aware reader would believe); created with the writer as holder is
-        // what the policy cannot refuse (README, "Node identities").
+        // what the policy cannot refuse (docs/install-and-operate.md, "Node identities").
         (
             LONG_A,
             heartbeat_of(LONG_B, None),

@@ -1,6 +1,6 @@
 # shellcheck shell=bash
 # Sourced by tools/build.sh and tools/node-tools.sh: the build module of one Go tool in the cache,
-# and the per-tool timer whose "time:" lines the README's cold-build figures come from.
+# and the per-tool timer whose "time:" lines the cold-build figures of docs/testing.md come from.
 #
 # module_dir <name> <pinned module and version>: prints $dir/mod-<name>, seeded from the committed
 # tools/<name>/go.{mod,sum} ($here) when they require the pin, so that a cold build resolves

@@ -1,7 +1,7 @@
 //! Structured fuzzing of everything the node driver parses (issue 20, item 6): state files,
 //! ndctl's and LVM's JSON, CSI requests, StorageClass parameters, mount options and volume
 //! names. Property-based with proptest: coverage-guided fuzzing (cargo-fuzz, libFuzzer) needs a
-//! nightly toolchain, which this machine does not have (see the README's "Fuzzing").
+//! nightly toolchain, which this machine does not have (see docs/node-driver.md, "Fuzzing").
 //!
 //! Each target starts from a saved corpus (the real outputs recorded in `testdata/`, the state
 //! files PMEM-CSI 1.0 wrote, `testdata/fuzz/`) and mutates it both as bytes (truncation,

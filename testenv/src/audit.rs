@@ -152,7 +152,7 @@ impl Grant {
             && (self.names.is_empty() || self.names.contains(&request.name))
     }
 
-    /// `verb group/resource` as the README's table writes it.
+    /// `verb group/resource` as the RBAC table of docs/install-and-operate.md writes it.
     pub fn pair(&self) -> String {
         let group = if self.group.is_empty() {
             "core"
@@ -238,7 +238,7 @@ pub fn denials<'a>(requests: &'a [Request], user: &str) -> Vec<&'a Request> {
         .collect()
 }
 
-/// The distinct `verb group/resource` pairs `user` used, for the README's table.
+/// The distinct `verb group/resource` pairs `user` used, for the RBAC table of docs/install-and-operate.md.
 pub fn used_pairs(requests: &[Request], user: &str) -> BTreeSet<String> {
     requests
         .iter()
