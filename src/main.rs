@@ -372,7 +372,7 @@ async fn start_webhook(
 async fn rotate_ca(args: &RotateCaArgs) -> anyhow::Result<()> {
     let validity = controllers::duration::parse_duration(&args.self_signed_ca_validity)
         .map_err(|e| anyhow::anyhow!("--self-signed-ca-validity: {e}"))?;
-    let prefix = webhooks::webhook::name_prefix(&args.driver_name);
+    let prefix = controllers::well_known::name_prefix(&args.driver_name);
     let config = webhooks::webhook::SelfSignedConfig {
         secret: args
             .self_signed_secret

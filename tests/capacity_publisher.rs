@@ -108,7 +108,7 @@ async fn publishes_follows_coalesces_and_withdraws() {
     );
 
     let api = Api::<CSIStorageCapacity>::namespaced(client.clone(), NAMESPACE);
-    let name = controllers::capacity_publisher::object_name("node-1", &late);
+    let name = controllers::well_known::capacity_object_name("node-1", &late);
     let capacity = until(
         "the capacity object of the late-binding class",
         WAIT,
@@ -155,7 +155,7 @@ async fn publishes_follows_coalesces_and_withdraws() {
         owner.first().map(|o| (o.kind.as_str(), o.name.as_str())),
         Some(("Node", "node-1"))
     );
-    let immediate_name = controllers::capacity_publisher::object_name("node-1", &immediate);
+    let immediate_name = controllers::well_known::capacity_object_name("node-1", &immediate);
     assert!(
         api.get_opt(&immediate_name).await.expect("get").is_none(),
         "no object for Immediate classes"
@@ -292,7 +292,7 @@ async fn objects_follow_their_node_to_the_garbage_collector() {
     let dirs = NodeDriverDirs::under(root.path());
     let driver = node_driver(env, &node, &dirs);
     let api = Api::<CSIStorageCapacity>::namespaced(client.clone(), NAMESPACE);
-    let name = controllers::capacity_publisher::object_name(&node, &late);
+    let name = controllers::well_known::capacity_object_name(&node, &late);
     until("published", WAIT, || capacity_of(&api, &name))
         .await
         .expect("published");

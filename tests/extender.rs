@@ -774,7 +774,7 @@ async fn a_restart_keeps_the_reservations_of_pods_being_bound() {
             "a",
             &kube::api::PatchParams::default(),
             &kube::api::Patch::Merge(serde_json::json!({"metadata": {"annotations": {
-                "volume.kubernetes.io/selected-node": "node-1"
+                controllers::well_known::SELECTED_NODE: "node-1"
             }}})),
         )
         .await

@@ -16,7 +16,7 @@ use testenv::wait::until;
 use testenv::{NodeSpec, Supervised, TestEnv, TestEnvBuilder};
 
 const DRIVER: &str = "pmem-csi.intel.com";
-const SELECTED: &str = "volume.kubernetes.io/selected-node";
+use controllers::well_known::SELECTED_NODE as SELECTED;
 const WAIT: Duration = Duration::from_secs(60);
 
 struct Fixture {

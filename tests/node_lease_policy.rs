@@ -14,7 +14,7 @@ use testenv::manifests::{NAMESPACE, NODE_LEASE_POLICY};
 use testenv::{NodeSpec, TestEnv, TestEnvBuilder};
 
 use controllers::heartbeat;
-use controllers::liveness_view::heartbeat_lease_name;
+use controllers::well_known::heartbeat_lease_name;
 
 const DRIVER: &str = "pmem-csi.intel.com";
 const PERIOD: std::time::Duration = std::time::Duration::from_secs(10);

@@ -15,7 +15,7 @@ use testenv::wait::until;
 use testenv::{NodeSpec, Supervised, TestEnv, TestEnvBuilder};
 
 const DRIVER: &str = "pmem-csi.intel.com";
-const SELECTED: &str = "volume.kubernetes.io/selected-node";
+use controllers::well_known::SELECTED_NODE as SELECTED;
 const WAIT: Duration = Duration::from_secs(60);
 
 struct Fixture {
@@ -245,7 +245,7 @@ fn capacity_object(
             name: Some(name.into()),
             namespace: Some("pmem-csi".into()),
             labels: Some(BTreeMap::from([(
-                "csi.storage.k8s.io/drivername".to_string(),
+                controllers::well_known::DRIVER_LABEL.to_string(),
                 DRIVER.to_string(),
             )])),
             ..Default::default()
@@ -254,7 +254,7 @@ fn capacity_object(
         node_topology: Some(
             k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector {
                 match_labels: Some(BTreeMap::from([(
-                    format!("{DRIVER}/node"),
+                    controllers::well_known::topology_key(DRIVER),
                     node.to_string(),
                 )])),
                 ..Default::default()

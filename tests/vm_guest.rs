@@ -9,7 +9,8 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use controllers::capacity_publisher::{self, ClassFacts, Publisher};
+use controllers::capacity_publisher::{self, Publisher};
+use controllers::volume_facts::ClassFacts;
 use driver::backend::Backend;
 use driver::csi::{CapacityRange, CreateVolumeRequest};
 use testenv::csi_client::{Harness, block, mount, params};
@@ -202,11 +203,14 @@ fn extender_view(mode: &str) -> NodeView {
         namespace: "pmem-csi".into(),
         node: "node-1".into(),
     };
-    let class = ClassFacts {
-        name: "pmem-csi-sc".into(),
-        provisioner: DRIVER.into(),
-        binding_mode: "WaitForFirstConsumer".into(),
-    };
+    let class = (
+        "pmem-csi-sc".to_string(),
+        ClassFacts {
+            provisioner: DRIVER.into(),
+            late_binding: true,
+            ..ClassFacts::default()
+        },
+    );
     let objects = capacity_publisher::desired(&publisher, Some("uid-1"), &[class], &node_capacity);
     assert_eq!(objects.len(), 1);
     let mut index = CapacityIndex::new(DRIVER, 64 * MI);

@@ -79,7 +79,7 @@ pub async fn rescheduler_pass(
                     name: Some(format!("claim-{i}")),
                     namespace: Some(ns),
                     annotations: Some(BTreeMap::from([(
-                        "volume.kubernetes.io/selected-node".to_string(),
+                        controllers::well_known::SELECTED_NODE.to_string(),
                         format!("scale-node-{}", i % nodes),
                     )])),
                     ..Default::default()
@@ -192,7 +192,7 @@ pub async fn capacity_latency(
     testenv::node_driver::wait_for_path(&dirs.socket, Duration::from_secs(60)).await?;
     let mut csi = ControllerClient::new(driver::client::connect(&dirs.socket).await?);
     let api = Api::<CSIStorageCapacity>::namespaced(client.clone(), "pmem-csi");
-    let name = controllers::capacity_publisher::object_name(&node, &class_name);
+    let name = controllers::well_known::capacity_object_name(&node, &class_name);
     let capacity = |o: Option<CSIStorageCapacity>| {
         o.and_then(|o| o.capacity)
             .and_then(|q| controllers::quantity::parse_bytes(&q.0).ok())
@@ -363,7 +363,7 @@ pub async fn sweep_cost(
     };
     let before = audited()?.len();
     let leases = Api::<Lease>::namespaced(client.clone(), "pmem-csi");
-    let lease = controllers::liveness_view::heartbeat_lease_name(DRIVER, &node);
+    let lease = controllers::well_known::heartbeat_lease_name(DRIVER, &node);
     let mut renewals: Vec<k8s_openapi::jiff::Timestamp> = Vec::new();
     let start = Instant::now();
     while start.elapsed() < window {

@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 use crate::report::{Benchmark, Target};
 
 const CLASS_NO_ERASE: &str = "pmem-csi-sc-ext4-no-erase";
-const SELECTED: &str = "volume.kubernetes.io/selected-node";
+use controllers::well_known::SELECTED_NODE as SELECTED;
 
 /// Sizes of a run.
 #[derive(Clone, Debug)]

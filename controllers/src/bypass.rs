@@ -24,6 +24,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error_backoff::ErrorBackoff;
 use crate::reconcile_metrics::{ReconcileMetrics, ReconcileResult};
+use crate::well_known::scheduler_resource;
 
 /// The controller's name in metrics and logs.
 pub const CONTROLLER: &str = "bypass";
@@ -38,12 +39,6 @@ const RECHECK: Duration = Duration::from_secs(60);
 /// webhook's screen (opt-out label, scheduler names), so that pods the webhook would leave
 /// alone are not reported.
 pub type PodRelevance = Arc<dyn Fn(&Pod) -> bool + Send + Sync>;
-
-/// The extended resource that routes a pod through the scheduler extender: `<driver>/scheduler`
-/// (the same name `webhooks::mutation::scheduler_resource` adds).
-pub fn scheduler_resource(driver: &str) -> String {
-    format!("{driver}/scheduler")
-}
 
 /// What the bypass decision needs to know about one pod.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

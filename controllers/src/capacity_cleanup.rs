@@ -14,12 +14,13 @@ use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use tokio_util::sync::CancellationToken;
 
-use crate::capacity_publisher::DRIVER_LABEL;
 use crate::error_backoff::ErrorBackoff;
 use crate::liveness::{DriverlessReason, Liveness};
 use crate::liveness_view::LivenessView;
 use crate::reconcile_metrics::{ReconcileMetrics, ReconcileResult};
 use crate::stores::Stores;
+use crate::volume_facts::capacity_node;
+use crate::well_known::DRIVER_LABEL;
 
 /// The controller's name in metrics and logs.
 pub const CONTROLLER: &str = "capacity-cleanup";
@@ -65,17 +66,6 @@ pub fn decide(
             CleanupVerdict::Delete(CleanupReason::Driverless(reason))
         }
     }
-}
-
-/// The node a capacity object describes: its topology's `<driver>/node` label.
-pub fn node_of(object: &CSIStorageCapacity, driver: &str) -> Option<String> {
-    object
-        .node_topology
-        .as_ref()?
-        .match_labels
-        .as_ref()?
-        .get(&format!("{driver}/node"))
-        .cloned()
 }
 
 /// Failures of one clean-up.
@@ -155,7 +145,7 @@ async fn clean(object: &CSIStorageCapacity, ctx: &Context) -> Result<Action, Cle
         .classes
         .get(&ObjectRef::<StorageClass>::new(&object.storage_class_name))
         .is_some();
-    let node = node_of(object, &settings.driver);
+    let node = capacity_node(object, &settings.driver);
     let name = object.metadata.name.clone().unwrap_or_default();
     let err = |op| {
         let name = name.clone();

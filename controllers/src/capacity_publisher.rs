@@ -21,52 +21,21 @@ use tokio_util::sync::CancellationToken;
 
 use crate::capacity_source::{CapacitySource, NodeCapacity};
 use crate::error_backoff::ErrorBackoff;
-use crate::names::shorten;
 use crate::quantity;
 use crate::reconcile_metrics::{ReconcileMetrics, ReconcileResult};
 use crate::stores;
+use crate::volume_facts::ClassFacts;
+use crate::well_known::{
+    ALIGNMENT_BYTES, DRIVER_LABEL, FREE_EXTENTS, MANAGED_BY_LABEL, MANAGED_BYTES, VOLUME_OVERHEAD,
+    capacity_annotation, capacity_object_name as object_name, managed_by, topology_key,
+};
 
 /// The controller's name in metrics and logs.
 pub const CONTROLLER: &str = "capacity-publisher";
-/// Label naming the driver on capacity objects (external-provisioner's key).
-pub const DRIVER_LABEL: &str = "csi.storage.k8s.io/drivername";
-/// Label naming the publisher of a capacity object (external-provisioner's key, our value).
-pub const MANAGED_BY_LABEL: &str = "csi.storage.k8s.io/managed-by";
 /// At most this many pools are listed in the free-extents annotation.
 pub const MAX_EXTENTS: usize = 16;
 /// Periodic re-publication even without changes.
 pub const RESYNC: Duration = Duration::from_secs(300);
-
-/// The `managed-by` value of `node`'s objects: never external-provisioner's
-/// `external-provisioner-<node>`, so the two can never fight over objects.
-pub fn managed_by(node: &str) -> String {
-    shorten(&format!("pmem-csi-{node}"), 63)
-}
-
-/// What the publisher needs to know about one StorageClass.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ClassFacts {
-    /// Class name.
-    pub name: String,
-    /// Its provisioner.
-    pub provisioner: String,
-    /// Its volumeBindingMode (`Immediate` when unset).
-    pub binding_mode: String,
-}
-
-impl ClassFacts {
-    /// Facts of a StorageClass object.
-    pub fn of(class: &StorageClass) -> Self {
-        Self {
-            name: class.metadata.name.clone().unwrap_or_default(),
-            provisioner: class.provisioner.clone(),
-            binding_mode: class
-                .volume_binding_mode
-                .clone()
-                .unwrap_or_else(|| "Immediate".into()),
-        }
-    }
-}
 
 /// Who publishes: the driver, its namespace, this node and its Node object's UID.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -79,11 +48,6 @@ pub struct Publisher {
     pub node: String,
 }
 
-/// The object name of `node`'s capacity for `class`.
-pub fn object_name(node: &str, class: &str) -> String {
-    shorten(&format!("pmem-csi-{node}-{class}"), 253)
-}
-
 /// The annotations the extender reads: managed bytes, alignment, free bytes per pool and, where
 /// volumes keep metadata in the pool, its size.
 fn annotations(
@@ -91,14 +55,14 @@ fn annotations(
     capacity: &NodeCapacity,
     extents: &[String],
 ) -> BTreeMap<String, String> {
-    let key = |suffix: &str| format!("{}/{suffix}", publisher.driver);
+    let key = |name: &str| capacity_annotation(&publisher.driver, name);
     let mut annotations = BTreeMap::from([
-        (key("managed-bytes"), capacity.managed().to_string()),
-        (key("alignment-bytes"), capacity.alignment.to_string()),
-        (key("free-extents"), extents.join(",")),
+        (key(MANAGED_BYTES), capacity.managed().to_string()),
+        (key(ALIGNMENT_BYTES), capacity.alignment.to_string()),
+        (key(FREE_EXTENTS), extents.join(",")),
     ]);
     if let Some(overhead) = &capacity.overhead {
-        annotations.insert(key("volume-overhead"), overhead.to_string());
+        annotations.insert(key(VOLUME_OVERHEAD), overhead.to_string());
     }
     annotations
 }
@@ -108,17 +72,18 @@ fn annotations(
 pub fn desired(
     publisher: &Publisher,
     node_uid: Option<&str>,
-    classes: &[ClassFacts],
+    classes: &[(String, ClassFacts)],
     capacity: &NodeCapacity,
 ) -> Vec<CSIStorageCapacity> {
     let Some(uid) = node_uid else {
         return Vec::new();
     };
-    let mut wanted: Vec<&ClassFacts> = classes
+    let mut wanted: Vec<&str> = classes
         .iter()
-        .filter(|c| c.provisioner == publisher.driver && c.binding_mode == "WaitForFirstConsumer")
+        .filter(|(_, c)| c.provisioner == publisher.driver && c.late_binding)
+        .map(|(name, _)| name.as_str())
         .collect();
-    wanted.sort_by(|a, b| a.name.cmp(&b.name));
+    wanted.sort_unstable();
     let mut pools = capacity.pools.clone();
     pools.sort_by_key(|p| std::cmp::Reverse(p.free));
     let extents: Vec<String> = pools
@@ -130,7 +95,7 @@ pub fn desired(
         .into_iter()
         .map(|class| CSIStorageCapacity {
             metadata: ObjectMeta {
-                name: Some(object_name(&publisher.node, &class.name)),
+                name: Some(object_name(&publisher.node, class)),
                 namespace: Some(publisher.namespace.clone()),
                 labels: Some(BTreeMap::from([
                     (DRIVER_LABEL.to_string(), publisher.driver.clone()),
@@ -155,10 +120,10 @@ pub fn desired(
                 }]),
                 ..Default::default()
             },
-            storage_class_name: class.name.clone(),
+            storage_class_name: class.to_string(),
             node_topology: Some(LabelSelector {
                 match_labels: Some(BTreeMap::from([(
-                    format!("{}/node", publisher.driver),
+                    topology_key(&publisher.driver),
                     publisher.node.clone(),
                 )])),
                 ..Default::default()
@@ -375,11 +340,11 @@ async fn publish<S: CapacitySource>(node: &Node, ctx: &Context<S>) -> Result<Act
         .source
         .capacity()
         .map_err(|e| PublishError::Capacity(e.to_string()))?;
-    let classes: Vec<ClassFacts> = ctx
+    let classes: Vec<(String, ClassFacts)> = ctx
         .classes
         .state()
         .iter()
-        .map(|c| ClassFacts::of(c))
+        .filter_map(|c| Some((c.metadata.name.clone()?, ClassFacts::of(c))))
         .collect();
     // A Node being deleted is not an owner to publish under.
     let uid = node
@@ -456,12 +421,14 @@ mod tests {
         }
     }
 
-    fn class(name: &str, provisioner: &str, mode: &str) -> ClassFacts {
-        ClassFacts {
-            name: name.into(),
-            provisioner: provisioner.into(),
-            binding_mode: mode.into(),
-        }
+    fn class(name: &str, provisioner: &str, mode: &str) -> (String, ClassFacts) {
+        let class: StorageClass = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name},
+            "provisioner": provisioner,
+            "volumeBindingMode": mode,
+        }))
+        .expect("class");
+        (name.into(), ClassFacts::of(&class))
     }
 
     fn capacity() -> NodeCapacity {

@@ -308,33 +308,32 @@ impl ControllerProcess {
             instance: std::env::var("POD_NAME").ok(),
         };
         // Leader-only concerns; without leader election every instance leads.
-        let leading = |concern: &str,
-                       tasks: &mut JoinSet<()>|
-         -> tokio::sync::watch::Receiver<bool> {
-            match &self.config.leader_election {
-                None => tokio::sync::watch::channel(true).1,
-                Some((duration, retry, identity)) => {
-                    let (rx, election) = crate::leader::elect(
-                        self.election_client.clone(),
-                        LeaderSettings {
-                            name: crate::names::shorten(
-                                &format!("{}-{concern}", self.config.driver_name.replace('.', "-")),
-                                63,
-                            ),
-                            namespace: self.config.namespace.clone(),
-                            identity: identity.clone(),
-                            lease_duration: *duration,
-                            retry_period: *retry,
-                            wall_clock_skew: Default::default(),
-                        },
-                        self.leader_metrics.clone(),
-                        shutdown.clone(),
-                    );
-                    tasks.spawn(election);
-                    rx
+        let leading =
+            |concern: &str, tasks: &mut JoinSet<()>| -> tokio::sync::watch::Receiver<bool> {
+                match &self.config.leader_election {
+                    None => tokio::sync::watch::channel(true).1,
+                    Some((duration, retry, identity)) => {
+                        let (rx, election) = crate::leader::elect(
+                            self.election_client.clone(),
+                            LeaderSettings {
+                                name: crate::well_known::leader_lease_name(
+                                    &self.config.driver_name,
+                                    concern,
+                                ),
+                                namespace: self.config.namespace.clone(),
+                                identity: identity.clone(),
+                                lease_duration: *duration,
+                                retry_period: *retry,
+                                wall_clock_skew: Default::default(),
+                            },
+                            self.leader_metrics.clone(),
+                            shutdown.clone(),
+                        );
+                        tasks.spawn(election);
+                        rx
+                    }
                 }
-            }
-        };
+            };
         let mut elections = JoinSet::new();
         for (name, leader_only, start) in std::mem::take(&mut self.extra) {
             if leader_only {

@@ -12,7 +12,7 @@ use kube::Api;
 use kube::api::PostParams;
 use tokio_util::sync::CancellationToken;
 
-use crate::liveness_view::heartbeat_lease_name;
+use crate::well_known::heartbeat_lease_name;
 
 /// A Lease is valid for this many renew periods, so one late renewal does not expire it.
 pub const PERIODS_PER_LEASE: u32 = 3;

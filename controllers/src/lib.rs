@@ -24,7 +24,9 @@ pub mod reconcile_metrics;
 pub mod rescheduler;
 pub mod stores;
 pub mod volume_cost;
+pub mod volume_facts;
 pub mod waiting_claims;
+pub mod well_known;
 
 pub use admin::{AdminError, AdminServer};
 pub use capacity_source::{CapacitySource, NodeCapacity, PoolCapacity};

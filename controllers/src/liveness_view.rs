@@ -16,15 +16,10 @@ use tokio_util::sync::CancellationToken;
 use crate::liveness::{self, CsiNodeState, HeartbeatState, Liveness, NodeObservation};
 use crate::node_selector::NodeSelector;
 use crate::stores::NodeStores;
+use crate::well_known::heartbeat_lease_name;
 
 /// How often the background task observes every node.
 const OBSERVE_EVERY: Duration = Duration::from_secs(1);
-
-/// Heartbeat Lease name of `node`'s driver: `<driver>-node-<node>`, hash-shortened past 63.
-pub fn heartbeat_lease_name(driver: &str, node: &str) -> String {
-    let name = format!("{}-node-{node}", driver.replace('.', "-"));
-    crate::names::shorten(&name, 63)
-}
 
 /// How long a name that no Node has is still observed after a concern last asked about it:
 /// longer than any concern waits between two questions about a claim it keeps (the grace,

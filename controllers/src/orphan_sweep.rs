@@ -22,7 +22,8 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
-use crate::rescheduler::SELECTED_NODE;
+use crate::volume_facts::pv_node;
+use crate::well_known::SELECTED_NODE;
 
 /// Why a volume stays.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -146,17 +147,10 @@ impl PvFacts {
             .filter(|c| c.driver == driver)?
             .volume_handle
             .clone();
-        let topology_key = format!("{driver}/node");
-        let node = spec
-            .node_affinity
-            .as_ref()
-            .and_then(|a| a.required.as_ref())
-            .into_iter()
-            .flat_map(|r| &r.node_selector_terms)
-            .flat_map(|t| t.match_expressions.iter().flatten())
-            .find(|e| e.key == topology_key)
-            .and_then(|e| e.values.as_ref()?.first().cloned());
-        Some(PvFacts { handle, node })
+        Some(PvFacts {
+            handle,
+            node: pv_node(pv, driver),
+        })
     }
 
     /// Whether this PV is volume `id` of `node`. A PV without node affinity is taken to mean
@@ -642,7 +636,7 @@ mod tests {
                     required: Some(NodeSelector {
                         node_selector_terms: vec![NodeSelectorTerm {
                             match_expressions: Some(vec![NodeSelectorRequirement {
-                                key: format!("{driver}/node"),
+                                key: crate::well_known::topology_key(driver),
                                 operator: "In".into(),
                                 values: Some(vec![n.into()]),
                             }]),

@@ -25,41 +25,11 @@ use crate::liveness::{DriverlessReason, Liveness};
 use crate::liveness_view::LivenessView;
 use crate::reconcile_metrics::{ReconcileMetrics, ReconcileResult};
 use crate::stores::Stores;
+use crate::volume_facts::{ClaimFacts, ClassFacts, provisioner};
 use crate::waiting_claims::{
     SCAN_INTERVAL, WaitingClaims, WaitingClaimsMetrics, waits_on_selected_node,
 };
-
-/// The annotation the scheduler sets and the rescheduler removes.
-pub const SELECTED_NODE: &str = "volume.kubernetes.io/selected-node";
-/// The annotation kube-controller-manager sets to the class's provisioner.
-pub const STORAGE_PROVISIONER: &str = "volume.kubernetes.io/storage-provisioner";
-/// Its deprecated predecessor, still set by kube-controller-manager.
-pub const BETA_STORAGE_PROVISIONER: &str = "volume.beta.kubernetes.io/storage-provisioner";
-
-/// What the rescheduler needs to know about one claim.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ClaimFacts {
-    /// `spec.volumeName` is set.
-    pub bound: bool,
-    /// `metadata.deletionTimestamp` is set.
-    pub deleting: bool,
-    /// The selected-node annotation.
-    pub selected_node: Option<String>,
-    /// The provisioner of the claim's StorageClass, if the class exists.
-    pub class_provisioner: Option<String>,
-    /// The storage-provisioner annotation (or its beta predecessor).
-    pub provisioner_annotation: Option<String>,
-}
-
-impl ClaimFacts {
-    /// The claim's provisioner: the class decides; only without a class does the annotation
-    /// (which KCM copies from the class) stand in for it.
-    pub fn provisioner(&self) -> Option<&str> {
-        self.class_provisioner
-            .as_deref()
-            .or(self.provisioner_annotation.as_deref())
-    }
-}
+use crate::well_known::SELECTED_NODE;
 
 /// Why a claim is left alone.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -109,14 +79,15 @@ pub enum Verdict {
     },
 }
 
-/// Decides about `claim` of a driver named `driver`, given the liveness judgement of its
-/// selected node.
+/// Decides about `claim` (its class `class`, when it has one that exists) of a driver named
+/// `driver`, given the liveness judgement of its selected node.
 pub fn decide(
     claim: &ClaimFacts,
+    class: Option<&ClassFacts>,
     driver: &str,
     liveness: impl FnOnce(&str) -> Liveness,
 ) -> Verdict {
-    if claim.bound {
+    if claim.bound() {
         return Verdict::Keep(KeepReason::Bound);
     }
     if claim.deleting {
@@ -125,7 +96,7 @@ pub fn decide(
     let Some(node) = claim.selected_node.as_deref() else {
         return Verdict::Keep(KeepReason::NoSelectedNode);
     };
-    match claim.provisioner() {
+    match provisioner(class, claim.provisioner_annotation.as_deref()) {
         None => return Verdict::Keep(KeepReason::UnknownDriver),
         Some(p) if p != driver => return Verdict::Keep(KeepReason::OtherDriver),
         Some(_) => {}
@@ -238,29 +209,18 @@ pub struct Rescheduler {
     backoff: ErrorBackoff<PersistentVolumeClaim>,
 }
 
-/// The facts of `claim`, its class looked up in `classes`.
-pub fn claim_facts(claim: &PersistentVolumeClaim, classes: &Store<StorageClass>) -> ClaimFacts {
-    let annotations = claim.metadata.annotations.as_ref();
-    let spec = claim.spec.as_ref();
-    let class_provisioner = spec
-        .and_then(|s| s.storage_class_name.as_deref())
-        .filter(|c| !c.is_empty())
+/// The facts of `claim`, and of its class when `classes` has it.
+pub fn claim_facts(
+    claim: &PersistentVolumeClaim,
+    classes: &Store<StorageClass>,
+) -> (ClaimFacts, Option<ClassFacts>) {
+    let facts = ClaimFacts::of(claim);
+    let class = facts
+        .class
+        .as_deref()
         .and_then(|c| classes.get(&ObjectRef::new(c)))
-        .map(|c| c.provisioner.clone());
-    ClaimFacts {
-        bound: spec
-            .and_then(|s| s.volume_name.as_deref())
-            .is_some_and(|v| !v.is_empty()),
-        deleting: claim.metadata.deletion_timestamp.is_some(),
-        selected_node: annotations.and_then(|a| a.get(SELECTED_NODE)).cloned(),
-        class_provisioner,
-        provisioner_annotation: annotations
-            .and_then(|a| {
-                a.get(STORAGE_PROVISIONER)
-                    .or_else(|| a.get(BETA_STORAGE_PROVISIONER))
-            })
-            .cloned(),
-    }
+        .map(|c| ClassFacts::of(&c));
+    (facts, class)
 }
 
 impl Rescheduler {
@@ -308,9 +268,9 @@ impl Rescheduler {
     async fn reconcile(&self, claim: &PersistentVolumeClaim) -> Result<Action, RescheduleError> {
         let driver = self.liveness.settings().driver.clone();
         let grace = self.liveness.settings().grace;
-        let facts = claim_facts(claim, &self.stores.classes);
+        let (facts, class) = claim_facts(claim, &self.stores.classes);
         let mut remaining = grace;
-        let verdict = decide(&facts, &driver, |node| {
+        let verdict = decide(&facts, class.as_ref(), &driver, |node| {
             let l = self.liveness.judge(node);
             if let Liveness::Suspect { remaining: r, .. } = l {
                 remaining = r;
@@ -348,7 +308,8 @@ impl Rescheduler {
         let Some(fresh) = api.get_opt(&name).await.map_err(api_err("reading"))? else {
             return Ok(Action::await_change());
         };
-        if decide(&claim_facts(&fresh, &self.stores.classes), &driver, |_| {
+        let (facts, class) = claim_facts(&fresh, &self.stores.classes);
+        if decide(&facts, class.as_ref(), &driver, |_| {
             Liveness::DefinitelyNotRunning(reason)
         }) != (Verdict::Unset {
             node: node.clone(),
@@ -414,7 +375,10 @@ async fn scan_waiting(
             .claims
             .state()
             .into_iter()
-            .filter(|c| waits_on_selected_node(&claim_facts(c, &stores.classes), &driver))
+            .filter(|c| {
+                let (claim, class) = claim_facts(c, &stores.classes);
+                waits_on_selected_node(&claim, class.as_ref(), &driver)
+            })
             .filter_map(|c| c.metadata.uid.clone());
         gauge.set(claims.observe(waiting, std::time::Instant::now()));
     }
@@ -457,12 +421,18 @@ mod tests {
 
     fn claim() -> ClaimFacts {
         ClaimFacts {
-            bound: false,
-            deleting: false,
+            class: Some("sc".into()),
             selected_node: Some("n1".into()),
-            class_provisioner: Some(DRIVER.into()),
             provisioner_annotation: Some(DRIVER.into()),
+            ..ClaimFacts::default()
         }
+    }
+
+    fn class(provisioner: &str) -> Option<ClassFacts> {
+        Some(ClassFacts {
+            provisioner: provisioner.into(),
+            ..ClassFacts::default()
+        })
     }
 
     fn unset(reason: DriverlessReason) -> Verdict {
@@ -479,37 +449,44 @@ mod tests {
             reason: DriverlessReason::NodeMissing,
             remaining: Duration::from_secs(3),
         };
-        let cases: Vec<(&str, ClaimFacts, Liveness, Verdict)> = vec![
+        let ours = || class(DRIVER);
+        let bound = ClaimFacts {
+            volume_name: Some("pv".into()),
+            ..claim()
+        };
+        let cases: Vec<(&str, ClaimFacts, Option<ClassFacts>, Liveness, Verdict)> = vec![
             (
                 "driverless node",
                 claim(),
+                ours(),
                 gone,
                 unset(DriverlessReason::NodeMissing),
             ),
             (
                 "heartbeat expired",
                 claim(),
+                ours(),
                 Liveness::DefinitelyNotRunning(DriverlessReason::HeartbeatExpired),
                 unset(DriverlessReason::HeartbeatExpired),
             ),
             (
                 "driver may run",
                 claim(),
+                ours(),
                 Liveness::MayRun,
                 Verdict::Keep(KeepReason::DriverMayRun),
             ),
             (
                 "grace not elapsed",
                 claim(),
+                ours(),
                 suspect,
                 Verdict::Keep(KeepReason::GraceNotElapsed),
             ),
             (
                 "bound",
-                ClaimFacts {
-                    bound: true,
-                    ..claim()
-                },
+                bound,
+                ours(),
                 gone,
                 Verdict::Keep(KeepReason::Bound),
             ),
@@ -519,6 +496,7 @@ mod tests {
                     deleting: true,
                     ..claim()
                 },
+                ours(),
                 gone,
                 Verdict::Keep(KeepReason::Deleting),
             ),
@@ -528,67 +506,79 @@ mod tests {
                     selected_node: None,
                     ..claim()
                 },
+                ours(),
                 gone,
                 Verdict::Keep(KeepReason::NoSelectedNode),
             ),
             (
                 "other driver's class",
                 ClaimFacts {
-                    class_provisioner: Some("other.csi".into()),
+                    provisioner_annotation: None,
                     ..claim()
                 },
+                class("other.csi"),
                 gone,
                 Verdict::Keep(KeepReason::OtherDriver),
             ),
             (
                 "class wins over a stale annotation",
-                ClaimFacts {
-                    class_provisioner: Some("other.csi".into()),
-                    provisioner_annotation: Some(DRIVER.into()),
-                    ..claim()
-                },
+                claim(),
+                class("other.csi"),
                 gone,
                 Verdict::Keep(KeepReason::OtherDriver),
             ),
             (
+                "an immediate class of ours counts too",
+                claim(),
+                Some(ClassFacts {
+                    provisioner: DRIVER.into(),
+                    late_binding: false,
+                    ..ClassFacts::default()
+                }),
+                gone,
+                unset(DriverlessReason::NodeMissing),
+            ),
+            (
                 "class missing, annotation names us",
-                ClaimFacts {
-                    class_provisioner: None,
-                    ..claim()
-                },
+                claim(),
+                None,
                 gone,
                 unset(DriverlessReason::NodeMissing),
             ),
             (
                 "class missing, annotation names another",
                 ClaimFacts {
-                    class_provisioner: None,
                     provisioner_annotation: Some("other.csi".into()),
                     ..claim()
                 },
+                None,
                 gone,
                 Verdict::Keep(KeepReason::OtherDriver),
             ),
             (
                 "class and annotation missing",
                 ClaimFacts {
-                    class_provisioner: None,
                     provisioner_annotation: None,
                     ..claim()
                 },
+                None,
                 gone,
                 Verdict::Keep(KeepReason::UnknownDriver),
             ),
         ];
-        for (name, c, liveness, want) in cases {
-            assert_eq!(decide(&c, DRIVER, |_| liveness), want, "{name}");
+        for (name, c, class, liveness, want) in cases {
+            assert_eq!(
+                decide(&c, class.as_ref(), DRIVER, |_| liveness),
+                want,
+                "{name}"
+            );
         }
     }
 
     #[test]
     fn liveness_is_asked_about_the_selected_node_only_when_needed() {
         let mut asked = None;
-        decide(&claim(), DRIVER, |n| {
+        decide(&claim(), class(DRIVER).as_ref(), DRIVER, |n| {
             asked = Some(n.to_string());
             Liveness::MayRun
         });
@@ -596,9 +586,10 @@ mod tests {
         let mut asked = false;
         decide(
             &ClaimFacts {
-                bound: true,
+                volume_name: Some("pv".into()),
                 ..claim()
             },
+            class(DRIVER).as_ref(),
             DRIVER,
             |_| {
                 asked = true;

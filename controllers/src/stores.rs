@@ -48,9 +48,9 @@ pub fn trim<K: Resource + std::any::Any>(object: &mut K) {
 
 /// The claim annotations the rescheduler reads.
 const KEPT_CLAIM_ANNOTATIONS: [&str; 3] = [
-    crate::rescheduler::SELECTED_NODE,
-    crate::rescheduler::STORAGE_PROVISIONER,
-    crate::rescheduler::BETA_STORAGE_PROVISIONER,
+    crate::well_known::SELECTED_NODE,
+    crate::well_known::STORAGE_PROVISIONER,
+    crate::well_known::BETA_STORAGE_PROVISIONER,
 ];
 
 /// The caches of `pmem-csi controller`.

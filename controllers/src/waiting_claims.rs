@@ -12,18 +12,27 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use std::sync::atomic::AtomicU64;
 
-use crate::rescheduler::ClaimFacts;
+use crate::volume_facts::{Binding, ClaimFacts, ClassFacts, is_ours};
 
 /// How often the claim cache is scanned.
 pub const SCAN_INTERVAL: Duration = Duration::from_secs(10);
 
 /// Whether a claim of `driver` waits for its volume on its selected node: unbound, not being
 /// deleted, selected, and this driver's (by class; without one, by the provisioner annotation).
-pub fn waits_on_selected_node(claim: &ClaimFacts, driver: &str) -> bool {
-    !claim.bound
+pub fn waits_on_selected_node(
+    claim: &ClaimFacts,
+    class: Option<&ClassFacts>,
+    driver: &str,
+) -> bool {
+    !claim.bound()
         && !claim.deleting
         && claim.selected_node.is_some()
-        && claim.provisioner() == Some(driver)
+        && is_ours(
+            class,
+            claim.provisioner_annotation.as_deref(),
+            driver,
+            Binding::Any,
+        )
 }
 
 /// When each waiting claim (by UID) was first seen waiting.
@@ -80,47 +89,56 @@ mod tests {
 
     const DRIVER: &str = "pmem-csi.intel.com";
 
-    fn waiting() -> ClaimFacts {
-        ClaimFacts {
-            bound: false,
-            deleting: false,
+    fn waiting() -> (ClaimFacts, Option<ClassFacts>) {
+        let claim = ClaimFacts {
+            class: Some("sc".into()),
             selected_node: Some("n1".into()),
-            class_provisioner: Some(DRIVER.into()),
-            provisioner_annotation: None,
-        }
+            ..ClaimFacts::default()
+        };
+        let class = ClassFacts {
+            provisioner: DRIVER.into(),
+            ..ClassFacts::default()
+        };
+        (claim, Some(class))
     }
 
     #[test]
     fn waits_table() {
-        type Edit = fn(&mut ClaimFacts);
+        type Edit = fn(&mut (ClaimFacts, Option<ClassFacts>));
         let cases: [(&str, Edit, bool); 7] = [
             ("selected, unbound, ours", |_| {}, true),
-            ("bound", |c| c.bound = true, false),
-            ("deleting", |c| c.deleting = true, false),
-            ("not selected", |c| c.selected_node = None, false),
+            ("bound", |(c, _)| c.volume_name = Some("pv".into()), false),
+            ("deleting", |(c, _)| c.deleting = true, false),
+            ("not selected", |(c, _)| c.selected_node = None, false),
             (
                 "another driver's class",
-                |c| c.class_provisioner = Some("other".into()),
+                |(_, class)| {
+                    *class = Some(ClassFacts {
+                        provisioner: "other".into(),
+                        ..ClassFacts::default()
+                    })
+                },
                 false,
             ),
             (
                 "class gone, ours by annotation",
-                |c| {
-                    c.class_provisioner = None;
+                |(c, class)| {
+                    *class = None;
                     c.provisioner_annotation = Some(DRIVER.into());
                 },
                 true,
             ),
-            (
-                "no class, no annotation",
-                |c| c.class_provisioner = None,
-                false,
-            ),
+            ("no class, no annotation", |(_, class)| *class = None, false),
         ];
         for (name, edit, want) in cases {
-            let mut claim = waiting();
-            edit(&mut claim);
-            assert_eq!(waits_on_selected_node(&claim, DRIVER), want, "{name}");
+            let mut case = waiting();
+            edit(&mut case);
+            let (claim, class) = case;
+            assert_eq!(
+                waits_on_selected_node(&claim, class.as_ref(), DRIVER),
+                want,
+                "{name}"
+            );
         }
     }
 

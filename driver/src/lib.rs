@@ -8,6 +8,7 @@ pub mod client;
 pub mod config;
 pub mod controller;
 pub mod csi;
+pub mod device_mode;
 pub mod direct;
 pub mod emulated;
 pub mod error;

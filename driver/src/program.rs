@@ -5,7 +5,7 @@
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 
-use crate::backend::DeviceMode;
+use crate::device_mode::DeviceMode;
 
 /// An external program and the Debian/Ubuntu package that installs it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -6,6 +6,8 @@
 //! device of ours is left on any node; on any cluster, the published capacity is back to what it
 //! was before the scenario.
 
+use controllers::volume_facts::capacity_node;
+use controllers::well_known::DRIVER_LABEL;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -125,7 +127,7 @@ impl Cluster {
     /// Free bytes per node for [`CLASS`], from the CSIStorageCapacity objects of our driver.
     pub async fn capacity(&self) -> Result<BTreeMap<String, i64>, E2eError> {
         let list = Api::<CSIStorageCapacity>::all(self.client.clone())
-            .list(&ListParams::default().labels(&format!("csi.storage.k8s.io/drivername={DRIVER}")))
+            .list(&ListParams::default().labels(&format!("{DRIVER_LABEL}={DRIVER}")))
             .await
             .map_err(api("listing CSIStorageCapacity"))?;
         Ok(list
@@ -133,10 +135,7 @@ impl Cluster {
             .into_iter()
             .filter(|c| c.storage_class_name == CLASS)
             .filter_map(|c| {
-                let node = c
-                    .node_topology
-                    .and_then(|t| t.match_labels)
-                    .and_then(|l| l.get(&format!("{DRIVER}/node")).cloned())?;
+                let node = capacity_node(&c, DRIVER)?;
                 let bytes = c
                     .capacity
                     .and_then(|q| controllers::quantity::parse_bytes(&q.0).ok())?;
@@ -662,7 +661,7 @@ pub fn node_of(pod: &Pod) -> String {
 
 /// The node a PV is pinned to by its node affinity (`<driver>/node`).
 pub fn pinned_node(pv: &PersistentVolume) -> Option<String> {
-    testenv::objects::pinned_node(pv, DRIVER)
+    controllers::volume_facts::pv_node(pv, DRIVER)
 }
 
 /// The CSI volume id of a PV.

@@ -82,11 +82,6 @@ impl NodeSpec {
         self
     }
 
-    /// The topology key of `driver` (`<driver>/node`).
-    pub fn topology_key(driver: &str) -> String {
-        format!("{driver}/node")
-    }
-
     /// The Node object, with the status a Ready kubelet would report.
     pub fn node(&self, driver: &str) -> Node {
         let mut labels = BTreeMap::from([
@@ -98,7 +93,10 @@ impl NodeSpec {
                 DEFAULT_NODE_SELECTOR.0.to_string(),
                 DEFAULT_NODE_SELECTOR.1.to_string(),
             );
-            labels.insert(Self::topology_key(driver), self.name.clone());
+            labels.insert(
+                controllers::well_known::topology_key(driver),
+                self.name.clone(),
+            );
         }
         let resources = BTreeMap::from([
             ("pods".to_string(), Quantity("110".into())),
@@ -135,7 +133,7 @@ impl NodeSpec {
             vec![CSINodeDriver {
                 name: driver.to_string(),
                 node_id: self.name.clone(),
-                topology_keys: Some(vec![Self::topology_key(driver)]),
+                topology_keys: Some(vec![controllers::well_known::topology_key(driver)]),
                 ..Default::default()
             }]
         } else {
@@ -193,7 +191,7 @@ mod tests {
             );
             assert_eq!(labels.contains_key("storage"), want_labels, "{spec:?}");
             assert_eq!(
-                labels.get("pmem-csi.intel.com/node"),
+                labels.get(&controllers::well_known::topology_key(DEFAULT_DRIVER_NAME)),
                 want_labels.then_some(&spec.name),
                 "{spec:?}"
             );

@@ -15,8 +15,11 @@ use serde::de::DeserializeOwned;
 
 use crate::wait::{Timeout, until};
 
-/// The annotation the scheduler sets on a late-binding claim.
-pub const SELECTED_NODE: &str = "volume.kubernetes.io/selected-node";
+pub use controllers::well_known::SELECTED_NODE;
+use controllers::well_known::{
+    ALIGNMENT_BYTES, DRIVER_LABEL, FREE_EXTENTS, MANAGED_BY_LABEL, MANAGED_BYTES,
+    capacity_annotation, capacity_object_name, managed_by, scheduler_resource, topology_key,
+};
 
 /// Creates StorageClass `name` of `provisioner` with `binding_mode` (reclaim policy Delete).
 pub async fn create_storage_class(
@@ -175,7 +178,7 @@ pub fn with_scheduler_resource(
     mut pod: k8s_openapi::api::core::v1::Pod,
     driver: &str,
 ) -> k8s_openapi::api::core::v1::Pod {
-    let resource = format!("{driver}/scheduler");
+    let resource = scheduler_resource(driver);
     if let Some(container) = pod.spec.as_mut().and_then(|s| s.containers.first_mut()) {
         let resources = container.resources.get_or_insert_with(Default::default);
         for map in [&mut resources.requests, &mut resources.limits] {
@@ -226,26 +229,23 @@ pub fn published_capacity(
     sorted.sort_unstable_by(|a, b| b.cmp(a));
     CSIStorageCapacity {
         metadata: ObjectMeta {
-            name: Some(format!("pmem-csi-{node}-{class}")),
+            name: Some(capacity_object_name(node, class)),
             namespace: Some(namespace.into()),
             labels: Some(BTreeMap::from([
-                (
-                    "csi.storage.k8s.io/drivername".to_string(),
-                    driver.to_string(),
-                ),
-                (
-                    "csi.storage.k8s.io/managed-by".to_string(),
-                    format!("pmem-csi-{node}"),
-                ),
+                (DRIVER_LABEL.to_string(), driver.to_string()),
+                (MANAGED_BY_LABEL.to_string(), managed_by(node)),
             ])),
             annotations: Some(BTreeMap::from([
-                (format!("{driver}/managed-bytes"), managed.to_string()),
                 (
-                    format!("{driver}/alignment-bytes"),
+                    capacity_annotation(driver, MANAGED_BYTES),
+                    managed.to_string(),
+                ),
+                (
+                    capacity_annotation(driver, ALIGNMENT_BYTES),
                     (4u64 << 20).to_string(),
                 ),
                 (
-                    format!("{driver}/free-extents"),
+                    capacity_annotation(driver, FREE_EXTENTS),
                     sorted
                         .iter()
                         .map(u64::to_string)
@@ -257,10 +257,7 @@ pub fn published_capacity(
         },
         storage_class_name: class.into(),
         node_topology: Some(LabelSelector {
-            match_labels: Some(BTreeMap::from([(
-                format!("{driver}/node"),
-                node.to_string(),
-            )])),
+            match_labels: Some(BTreeMap::from([(topology_key(driver), node.to_string())])),
             ..Default::default()
         }),
         capacity: Some(Quantity(sorted.iter().sum::<u64>().to_string())),
@@ -395,25 +392,6 @@ pub fn create_volume_calls(text: &str, status: &str) -> (u64, f64) {
             .fold(0.0, |total, v| total + v)
     };
     (pick("count") as u64, pick("sum"))
-}
-
-/// The node a PV of `driver` is pinned to by its node affinity (`<driver>/node`).
-pub fn pinned_node(
-    pv: &k8s_openapi::api::core::v1::PersistentVolume,
-    driver: &str,
-) -> Option<String> {
-    let key = crate::nodes::NodeSpec::topology_key(driver);
-    pv.spec
-        .as_ref()?
-        .node_affinity
-        .as_ref()?
-        .required
-        .as_ref()?
-        .node_selector_terms
-        .iter()
-        .flat_map(|t| t.match_expressions.iter().flatten())
-        .find(|e| e.key == key)
-        .and_then(|e| e.values.as_ref()?.first().cloned())
 }
 
 /// The sum of the samples whose line starts with `prefix` (a metric name with labels).

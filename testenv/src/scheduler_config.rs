@@ -60,7 +60,8 @@ impl SchedulerConfig {
             )));
         }
         extender["urlPrefix"] = json!(format!("http://127.0.0.1:{port}"));
-        extender["managedResources"][0]["name"] = json!(format!("{driver}/scheduler"));
+        extender["managedResources"][0]["name"] =
+            json!(controllers::well_known::scheduler_resource(driver));
         Ok(self.extender(extender))
     }
 

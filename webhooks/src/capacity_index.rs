@@ -9,6 +9,14 @@
 //! yet are known (they are placed into the pools again by the fit).
 
 use controllers::volume_cost::{VolumeOverhead, volume_cost};
+use controllers::volume_facts::{
+    Binding, ClaimFacts, ClaimKey, ClassFacts, capacity_node, default_class, is_ours,
+    positive_bytes, pv_node,
+};
+use controllers::well_known::{
+    ALIGNMENT_BYTES, DRIVER_LABEL, FREE_EXTENTS, INLINE_SIZE, MANAGED_BYTES, VOLUME_OVERHEAD,
+    capacity_annotation,
+};
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
@@ -18,25 +26,11 @@ use smallvec::SmallVec;
 
 use crate::node_table::NodeTable;
 
-/// Annotation the scheduler sets on a late-binding claim once it chose a node.
-pub const SELECTED_NODE: &str = "volume.kubernetes.io/selected-node";
-/// Annotation naming the provisioner of a claim whose class may be gone.
-pub const STORAGE_PROVISIONER: &str = "volume.kubernetes.io/storage-provisioner";
-/// The pre-1.23 spelling of [`STORAGE_PROVISIONER`].
-pub const BETA_STORAGE_PROVISIONER: &str = "volume.beta.kubernetes.io/storage-provisioner";
-/// Label naming the driver on CSIStorageCapacity objects.
-pub const DRIVER_LABEL: &str = "csi.storage.k8s.io/drivername";
-
 /// One volume, however it is known.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum VolumeKey {
     /// A claim, and the PV bound to it (one volume, whichever is seen first).
-    Claim {
-        /// Namespace.
-        namespace: String,
-        /// Claim name.
-        name: String,
-    },
+    Claim(ClaimKey),
     /// A PV without a claim reference.
     Volume(String),
     /// A CSI inline volume of a pod.
@@ -74,38 +68,6 @@ pub struct NodeUsage {
     pub unreflected: Vec<u64>,
 }
 
-/// What the index keeps of a StorageClass.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ClassRecord {
-    /// Provisioner.
-    pub provisioner: String,
-    /// `volumeBindingMode` (`Immediate` when unset).
-    pub binding_mode: String,
-    /// Annotated as the default class.
-    pub default: bool,
-    /// Creation time (RFC 3339) for choosing among several defaults.
-    pub created: String,
-}
-
-/// What the index keeps of a PersistentVolumeClaim.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct ClaimRecord {
-    /// `spec.storageClassName`.
-    pub class: Option<String>,
-    /// `spec.volumeName`, when bound or binding.
-    pub volume_name: Option<String>,
-    /// The selected-node annotation.
-    pub selected_node: Option<String>,
-    /// The storage-provisioner annotation (either spelling).
-    pub provisioner: Option<String>,
-    /// Requested bytes (0 when unset).
-    pub request: u64,
-    /// Being deleted.
-    pub deleting: bool,
-    /// `metadata.uid`, to tell a claim from an earlier one of the same name.
-    pub uid: Option<String>,
-}
-
 /// What the index keeps of a pod: only its inline volumes of this driver, so that no full pod
 /// cache is needed.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -123,8 +85,8 @@ pub struct PodRecord {
 struct PvRecord {
     node: String,
     size: u64,
-    /// The claim reference: namespace, name and, when set, uid.
-    claim: Option<(String, String, Option<String>)>,
+    /// The claim reference and, when set, its uid.
+    claim: Option<(ClaimKey, Option<String>)>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -194,16 +156,16 @@ pub struct CapacityIndex {
     default_size: u64,
     seq: u64,
     next_node_id: u64,
-    classes: HashMap<String, ClassRecord>,
-    claims: HashMap<(String, String), ClaimRecord>,
+    classes: HashMap<String, ClassFacts>,
+    claims: HashMap<ClaimKey, ClaimFacts>,
     /// Volume → the name of the PV of this driver (in `pvs`) filed under it.
     volumes: HashMap<VolumeKey, String>,
     /// PV name → its key in `volumes`.
     volume_keys: HashMap<String, VolumeKey>,
     /// PV name → what the index keeps of it, whatever its key.
     pvs: HashMap<String, PvRecord>,
-    /// Claim (namespace, name) → the PVs whose claim reference names it.
-    pvs_by_claim: HashMap<(String, String), HashSet<String>>,
+    /// Claim → the PVs whose claim reference names it.
+    pvs_by_claim: HashMap<ClaimKey, HashSet<String>>,
     pods: HashMap<String, PodRecord>,
     // Looked up once per candidate node on every /filter: one lookup for both halves, in a
     // table laid out for it.
@@ -221,11 +183,6 @@ struct NodeEntry {
     /// The allocations on the node.
     volumes: HashSet<VolumeKey>,
 }
-
-/// The hasher of maps keyed by node name on the /filter path: fast (node names come from the
-/// API server, not from the request's author alone, and kube-scheduler sends only names of
-/// nodes it knows).
-pub type NodeHasher = foldhash::quality::RandomState;
 
 impl CapacityIndex {
     /// An empty index for `driver`; claims and inline volumes without a size count as
@@ -264,31 +221,12 @@ impl CapacityIndex {
         let Some(name) = class.metadata.name.clone() else {
             return;
         };
-        let record = ClassRecord {
-            provisioner: class.provisioner.clone(),
-            binding_mode: class
-                .volume_binding_mode
-                .clone()
-                .unwrap_or_else(|| "Immediate".into()),
-            default: class
-                .metadata
-                .annotations
-                .as_ref()
-                .and_then(|a| a.get("storageclass.kubernetes.io/is-default-class"))
-                .is_some_and(|v| v == "true"),
-            created: class
-                .metadata
-                .creation_timestamp
-                .as_ref()
-                .map(|t| t.0.to_string())
-                .unwrap_or_default(),
-        };
-        self.classes.insert(name, record);
+        self.classes.insert(name, ClassFacts::of(class));
         // A class decides whether its unbound claims are ours.
-        let keys: Vec<(String, String)> = self.claims.keys().cloned().collect();
+        let keys: Vec<ClaimKey> = self.claims.keys().cloned().collect();
         self.bump();
-        for (namespace, name) in keys {
-            self.derive(&VolumeKey::Claim { namespace, name });
+        for key in keys {
+            self.derive(&VolumeKey::Claim(key));
         }
     }
 
@@ -298,56 +236,30 @@ impl CapacityIndex {
     }
 
     /// A class by name.
-    pub fn class(&self, name: &str) -> Option<&ClassRecord> {
+    pub fn class(&self, name: &str) -> Option<&ClassFacts> {
         self.classes.get(name)
     }
 
-    /// All classes, for the default-class rule.
-    pub fn classes(&self) -> impl Iterator<Item = (&String, &ClassRecord)> {
-        self.classes.iter()
+    /// The cluster's default class, by [`default_class`]'s rule.
+    pub fn default_class(&self) -> Option<&ClassFacts> {
+        default_class(
+            self.classes
+                .iter()
+                .map(|(name, class)| (name.as_str(), class)),
+        )
+        .map(|(_, class)| class)
     }
 
     /// Adds or updates a claim. The caller then ends the claim's reservation entry if
     /// [`CapacityIndex::counted_on`] names a node, in the same locked update.
     pub fn apply_claim(&mut self, claim: &PersistentVolumeClaim) {
-        let (Some(namespace), Some(name)) = (
-            claim.metadata.namespace.clone(),
-            claim.metadata.name.clone(),
-        ) else {
+        let Some(key) = ClaimKey::of(claim) else {
             return;
         };
-        let annotations = claim.metadata.annotations.as_ref();
-        let spec = claim.spec.as_ref();
-        let record = ClaimRecord {
-            class: spec.and_then(|s| s.storage_class_name.clone()),
-            volume_name: spec
-                .and_then(|s| s.volume_name.clone())
-                .filter(|v| !v.is_empty()),
-            selected_node: annotations.and_then(|a| a.get(SELECTED_NODE)).cloned(),
-            provisioner: annotations
-                .and_then(|a| {
-                    a.get(STORAGE_PROVISIONER)
-                        .or_else(|| a.get(BETA_STORAGE_PROVISIONER))
-                })
-                .cloned(),
-            request: spec
-                .and_then(|s| s.resources.as_ref())
-                .and_then(|r| r.requests.as_ref())
-                .and_then(|r| r.get("storage"))
-                .and_then(|q| controllers::quantity::parse_bytes(&q.0).ok())
-                .unwrap_or(0),
-            deleting: claim.metadata.deletion_timestamp.is_some(),
-            uid: claim.metadata.uid.clone(),
-        };
-        let key = VolumeKey::Claim {
-            namespace: namespace.clone(),
-            name: name.clone(),
-        };
-        self.claims
-            .insert((namespace.clone(), name.clone()), record);
+        self.claims.insert(key.clone(), ClaimFacts::of(claim));
         self.bump();
-        self.place_pvs_of_claim(&namespace, &name);
-        self.derive(&key);
+        self.place_pvs_of_claim(&key);
+        self.derive(&VolumeKey::Claim(key));
     }
 
     /// The node a volume counts on as allocated, if it counts anywhere.
@@ -356,32 +268,29 @@ impl CapacityIndex {
     }
 
     /// Removes a claim.
-    pub fn delete_claim(&mut self, namespace: &str, name: &str) {
-        self.claims
-            .remove(&(namespace.to_string(), name.to_string()));
+    pub fn delete_claim(&mut self, key: &ClaimKey) {
+        self.claims.remove(key);
         self.bump();
-        self.place_pvs_of_claim(namespace, name);
-        self.derive(&VolumeKey::Claim {
-            namespace: namespace.into(),
-            name: name.into(),
-        });
+        self.place_pvs_of_claim(key);
+        self.derive(&VolumeKey::Claim(key.clone()));
     }
 
-    /// A claim by namespace and name.
-    pub fn claim(&self, namespace: &str, name: &str) -> Option<&ClaimRecord> {
-        self.claims.get(&(namespace.to_string(), name.to_string()))
+    /// A claim by key.
+    pub fn claim(&self, key: &ClaimKey) -> Option<&ClaimFacts> {
+        self.claims.get(key)
     }
 
     /// Whether a claim, bound or not, is this driver's and not being deleted: its class (or,
     /// the class missing, its provisioner annotation) names this driver with late binding.
-    fn is_late_binding_ours(&self, claim: &ClaimRecord) -> bool {
-        if claim.deleting {
-            return false;
-        }
-        match claim.class.as_deref().and_then(|c| self.classes.get(c)) {
-            Some(class) => class.provisioner == self.driver && class.binding_mode != "Immediate",
-            None => claim.provisioner.as_deref() == Some(self.driver.as_str()),
-        }
+    fn is_late_binding_ours(&self, claim: &ClaimFacts) -> bool {
+        let class = claim.class.as_deref().and_then(|c| self.classes.get(c));
+        !claim.deleting
+            && is_ours(
+                class,
+                claim.provisioner_annotation.as_deref(),
+                &self.driver,
+                Binding::Late,
+            )
     }
 
     /// Adds or updates a PV.
@@ -391,9 +300,9 @@ impl CapacityIndex {
         };
         self.forget_pv(&name);
         if let Some(record) = self.pv_record(pv) {
-            if let Some((namespace, claim, _)) = &record.claim {
+            if let Some((claim, _)) = &record.claim {
                 self.pvs_by_claim
-                    .entry((namespace.clone(), claim.clone()))
+                    .entry(claim.clone())
                     .or_default()
                     .insert(name.clone());
             }
@@ -411,13 +320,12 @@ impl CapacityIndex {
     }
 
     fn forget_pv(&mut self, name: &str) {
-        if let Some((namespace, claim, _)) = self.pvs.remove(name).and_then(|r| r.claim) {
-            let key = (namespace, claim);
-            if let Some(names) = self.pvs_by_claim.get_mut(&key) {
-                names.remove(name);
-                if names.is_empty() {
-                    self.pvs_by_claim.remove(&key);
-                }
+        if let Some((key, _)) = self.pvs.remove(name).and_then(|r| r.claim)
+            && let Some(names) = self.pvs_by_claim.get_mut(&key)
+        {
+            names.remove(name);
+            if names.is_empty() {
+                self.pvs_by_claim.remove(&key);
             }
         }
     }
@@ -434,12 +342,9 @@ impl CapacityIndex {
         let claim = self.pvs.get(name).map(|record| record.claim.clone());
         let new = claim.map(|claim| {
             let key = match &claim {
-                Some((namespace, claim, uid)) => {
-                    let key = VolumeKey::Claim {
-                        namespace: namespace.clone(),
-                        name: claim.clone(),
-                    };
-                    let current = self.claims.get(&(namespace.clone(), claim.clone()));
+                Some((claim, uid)) => {
+                    let current = self.claims.get(claim);
+                    let key = VolumeKey::Claim(claim.clone());
                     let same_claim = match (uid, current.and_then(|c| c.uid.as_ref())) {
                         (Some(a), Some(b)) => a == b,
                         _ => true,
@@ -463,11 +368,11 @@ impl CapacityIndex {
         }
     }
 
-    /// Places again the PVs whose claim reference names claim `namespace/name`.
-    fn place_pvs_of_claim(&mut self, namespace: &str, name: &str) {
+    /// Places again the PVs whose claim reference names `claim`.
+    fn place_pvs_of_claim(&mut self, claim: &ClaimKey) {
         let names: Vec<String> = self
             .pvs_by_claim
-            .get(&(namespace.to_string(), name.to_string()))
+            .get(claim)
             .map(|n| n.iter().cloned().collect())
             .unwrap_or_default();
         for pv in names {
@@ -480,27 +385,17 @@ impl CapacityIndex {
         if spec.csi.as_ref()?.driver != self.driver {
             return None;
         }
-        let topology_key = format!("{}/node", self.driver);
-        let node = spec
-            .node_affinity
-            .as_ref()?
-            .required
-            .as_ref()?
-            .node_selector_terms
-            .iter()
-            .flat_map(|t| t.match_expressions.iter().flatten())
-            .find(|e| e.key == topology_key && e.operator == "In")
-            .and_then(|e| e.values.as_ref()?.first().cloned())?;
+        let node = pv_node(pv, &self.driver)?;
         let size = spec
             .capacity
             .as_ref()
             .and_then(|c| c.get("storage"))
             .and_then(|q| controllers::quantity::parse_bytes(&q.0).ok())
             .unwrap_or(0);
-        let claim = spec
-            .claim_ref
-            .as_ref()
-            .and_then(|r| Some((r.namespace.clone()?, r.name.clone()?, r.uid.clone())));
+        let claim = spec.claim_ref.as_ref().and_then(|r| {
+            let key = ClaimKey::new(r.namespace.clone()?, r.name.clone()?);
+            Some((key, r.uid.clone()))
+        });
         Some(PvRecord { node, size, claim })
     }
 
@@ -562,9 +457,8 @@ impl CapacityIndex {
                         let size = csi
                             .volume_attributes
                             .as_ref()
-                            .and_then(|a| a.get("size"))
-                            .and_then(|s| controllers::quantity::parse_bytes(s).ok())
-                            .filter(|s| *s > 0)
+                            .and_then(|a| a.get(INLINE_SIZE))
+                            .and_then(|s| positive_bytes(s))
                             .unwrap_or(self.default_size);
                         (v.name.clone(), size)
                     })
@@ -587,14 +481,7 @@ impl CapacityIndex {
         if labels.and_then(|l| l.get(DRIVER_LABEL)) != Some(&self.driver) {
             return;
         }
-        let topology_key = format!("{}/node", self.driver);
-        let Some(node) = object
-            .node_topology
-            .as_ref()
-            .and_then(|t| t.match_labels.as_ref())
-            .and_then(|l| l.get(&topology_key))
-            .cloned()
-        else {
+        let Some(node) = capacity_node(object, &self.driver) else {
             return;
         };
         let published = published_capacity(&self.driver, object);
@@ -635,7 +522,7 @@ impl CapacityIndex {
 
     /// What `node` has allocated, leaving out `own_claims` (the filtered pod's, which count as
     /// its demand instead).
-    pub fn usage(&self, node: &str, own_claims: &[(String, String)]) -> NodeUsage {
+    pub fn usage(&self, node: &str, own_claims: &[ClaimKey]) -> NodeUsage {
         let mut unreflected = Vec::new();
         let (published, allocated) = self.usage_into(node, own_claims, &mut unreflected);
         NodeUsage {
@@ -657,7 +544,7 @@ impl CapacityIndex {
     pub fn usage_into(
         &self,
         node: &str,
-        own_claims: &[(String, String)],
+        own_claims: &[ClaimKey],
         unreflected: &mut Vec<u64>,
     ) -> (Option<Published<'_>>, u64) {
         let entry = self.nodes.get(node);
@@ -667,8 +554,8 @@ impl CapacityIndex {
         let from = unreflected.len();
         let mut allocated = 0u64;
         for key in entry.map(|e| &e.volumes).into_iter().flatten() {
-            if let VolumeKey::Claim { namespace, name } = key
-                && own_claims.iter().any(|(n, c)| n == namespace && c == name)
+            if let VolumeKey::Claim(claim) = key
+                && own_claims.contains(claim)
             {
                 continue;
             }
@@ -785,23 +672,18 @@ impl CapacityIndex {
     /// Recomputes the allocation of `key` from its sources.
     fn derive(&mut self, key: &VolumeKey) {
         let wanted = match key {
-            VolumeKey::Claim { namespace, name } => match self.filed_volume(key) {
+            VolumeKey::Claim(claim) => match self.filed_volume(key) {
                 Some(volume) => Some(volume),
                 // Bound claims count too while their PV is unseen: the binder's update of the
                 // claim arrives on another watch than the PV's creation and can overtake it,
                 // and a claim counting nowhere in between let a /filter over-commit the node.
                 None => self
                     .claims
-                    .get(&(namespace.clone(), name.clone()))
+                    .get(claim)
                     .filter(|c| self.is_late_binding_ours(c))
                     .and_then(|c| {
                         let node = c.selected_node.clone()?;
-                        let size = if c.request == 0 {
-                            self.default_size
-                        } else {
-                            c.request
-                        };
-                        Some((node, size))
+                        Some((node, c.request.unwrap_or(self.default_size)))
                     }),
             },
             VolumeKey::Volume(_) => self.filed_volume(key),
@@ -846,13 +728,14 @@ pub fn align(size: u64, alignment: u64) -> u64 {
 /// Reads a capacity object of `driver` into plain numbers.
 pub fn published_capacity(driver: &str, object: &CSIStorageCapacity) -> PublishedCapacity {
     let annotations = object.metadata.annotations.as_ref();
-    let annotation = |suffix: &str| annotations.and_then(|a| a.get(&format!("{driver}/{suffix}")));
+    let annotation =
+        |name: &str| annotations.and_then(|a| a.get(&capacity_annotation(driver, name)));
     let capacity = object
         .capacity
         .as_ref()
         .and_then(|q| controllers::quantity::parse_bytes(&q.0).ok())
         .unwrap_or(0);
-    let mut pools: Vec<u64> = annotation("free-extents")
+    let mut pools: Vec<u64> = annotation(FREE_EXTENTS)
         .map(|list| {
             list.split(',')
                 .filter(|s| !s.trim().is_empty())
@@ -864,12 +747,12 @@ pub fn published_capacity(driver: &str, object: &CSIStorageCapacity) -> Publishe
     PublishedCapacity {
         pools,
         free: capacity,
-        managed: annotation("managed-bytes").and_then(|v| v.parse().ok()),
-        alignment: annotation("alignment-bytes")
+        managed: annotation(MANAGED_BYTES).and_then(|v| v.parse().ok()),
+        alignment: annotation(ALIGNMENT_BYTES)
             .and_then(|v| v.parse().ok())
             .filter(|a| *a > 0)
             .unwrap_or(1),
-        overhead: annotation("volume-overhead").and_then(|v| match v.parse() {
+        overhead: annotation(VOLUME_OVERHEAD).and_then(|v| match v.parse() {
             Ok(overhead) => Some(overhead),
             Err(e) => {
                 // Charging no overhead would let the fit admit what the node refuses; the cap
@@ -926,10 +809,7 @@ mod tests {
     }
 
     fn counted_on<'a>(index: &'a CapacityIndex, claim: &str) -> Option<&'a str> {
-        index.counted_on(&VolumeKey::Claim {
-            namespace: "ns".into(),
-            name: claim.into(),
-        })
+        index.counted_on(&VolumeKey::Claim(ClaimKey::new("ns", claim)))
     }
 
     #[test]
@@ -956,11 +836,11 @@ mod tests {
         }
         assert_eq!(index.usage("n1", &[]).allocated, 2 * GI);
         assert_eq!(
-            index.usage("n1", &[("ns".into(), "a".into())]).allocated,
+            index.usage("n1", &[ClaimKey::new("ns", "a")]).allocated,
             GI,
             "the filtered pod's own claims are its demand, not allocations"
         );
-        index.delete_claim("ns", "a");
+        index.delete_claim(&ClaimKey::new("ns", "a"));
         assert_eq!(index.usage("n1", &[]).allocated, GI);
         let mut deleting = claim("e", "late", Some("n1"), Some("pv-e"));
         deleting.metadata.deletion_timestamp = Some(
@@ -985,7 +865,7 @@ mod tests {
         assert_eq!(index.usage("n1", &[]).allocated, 2 * GI);
         assert_eq!(counted_on(&index, "a"), Some("n1"));
         // Claim deleted, PV still there (reclaim pending): still allocated.
-        index.delete_claim("ns", "a");
+        index.delete_claim(&ClaimKey::new("ns", "a"));
         assert_eq!(index.usage("n1", &[]).allocated, 2 * GI);
         index.delete_volume("pv-a");
         assert_eq!(index.usage("n1", &[]), NodeUsage::default());

@@ -37,6 +37,7 @@ use crate::extender_metrics::{ExtenderMetrics, ReservationEvent};
 use crate::placement::{ExtenderState, Placement};
 use crate::reservation_journal::{ReservationJournal, ReservedRecord};
 use crate::score::ScorePolicy;
+use controllers::volume_facts::ClaimKey;
 
 /// Body limit of the extender routes: full `Nodes` lists of big clusters are large.
 pub const BODY_LIMIT: usize = 64 << 20;
@@ -295,7 +296,7 @@ impl Extender {
         let mut watches_synced = Vec::new();
         let driver_label = format!(
             "{}={}",
-            crate::capacity_index::DRIVER_LABEL,
+            controllers::well_known::DRIVER_LABEL,
             shared.config.liveness.driver
         );
         watches_synced.push(feed(
@@ -645,7 +646,7 @@ impl Indexed for PersistentVolumeClaim {
     }
     fn remove(key: &str, state: &mut ExtenderState, _: &ExtenderMetrics) {
         if let Some((namespace, name)) = key.split_once('/') {
-            state.index.delete_claim(namespace, name);
+            state.index.delete_claim(&ClaimKey::new(namespace, name));
         }
     }
 }

@@ -10,9 +10,8 @@ use std::collections::BTreeMap;
 
 use crate::admission::Operation;
 use crate::pod_volumes::{VolumeFacts, pending_volumes};
+pub use controllers::well_known::{WEBHOOK_OPT_OUT_LABEL as OPT_OUT_LABEL, scheduler_resource};
 
-/// The label (on pods; the webhook configuration also matches it on namespaces) that opts out.
-pub const OPT_OUT_LABEL: &str = "pmem-csi.intel.com/webhook";
 /// The value of [`OPT_OUT_LABEL`] that opts out.
 pub const OPT_OUT_VALUE: &str = "ignore";
 /// What an empty `spec.schedulerName` means.
@@ -110,11 +109,6 @@ impl Decision {
             }
         }
     }
-}
-
-/// The extended resource that marks a pod for the extender: `<driver>/scheduler`.
-pub fn scheduler_resource(driver: &str) -> String {
-    format!("{driver}/scheduler")
 }
 
 /// The namespace the pod's claims live in: the pod's own, or the request's when the pod has
@@ -250,6 +244,7 @@ mod tests {
         Some(ClassFacts {
             provisioner: DRIVER.into(),
             late_binding: true,
+            ..ClassFacts::default()
         })
     }
 
@@ -257,6 +252,7 @@ mod tests {
         Some(ClassFacts {
             provisioner: DRIVER.into(),
             late_binding: false,
+            ..ClassFacts::default()
         })
     }
 
@@ -264,6 +260,7 @@ mod tests {
         Some(ClassFacts {
             provisioner: "other.csi".into(),
             late_binding: true,
+            ..ClassFacts::default()
         })
     }
 
@@ -278,7 +275,7 @@ mod tests {
 
     fn unbound() -> Option<ClaimFacts> {
         Some(ClaimFacts {
-            storage_class: Some("pmem".into()),
+            class: Some("pmem".into()),
             ..ClaimFacts::default()
         })
     }
@@ -376,7 +373,7 @@ mod tests {
         }));
         let good = facts_for(unbound(), late());
         let bound = Some(ClaimFacts {
-            bound: true,
+            volume_name: Some("pv".into()),
             ..unbound().expect("claim")
         });
         for (name, pod, operation, facts, want) in [

@@ -13,7 +13,10 @@ use std::hash::BuildHasher;
 
 use hashbrown::HashTable;
 
-use crate::capacity_index::NodeHasher;
+/// The hasher of maps keyed by node name on the /filter path: fast (node names come from the
+/// API server, not from the request's author alone, and kube-scheduler sends only names of
+/// nodes it knows).
+pub type NodeHasher = foldhash::quality::RandomState;
 
 /// Dead arena bytes tolerated before the arena is rewritten (and at most half of it).
 const GARBAGE_SLACK: usize = 64 * 1024;

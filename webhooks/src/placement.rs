@@ -11,21 +11,20 @@ use std::time::{Duration, Instant, SystemTime};
 
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 
-use crate::capacity_index::{CapacityIndex, ClaimRecord, NodeId, VolumeKey};
+use crate::capacity_index::{CapacityIndex, NodeId, VolumeKey};
 use crate::extender_api::{
     ExtenderFilterResult, ExtenderPreemptionResult, ExtenderRequest, HostPriorityList,
     PreemptionRequest, Rejection,
 };
 use crate::extender_metrics::ReservationEvent;
 use crate::fit::{self, NodeView};
-use crate::pod_volumes::{
-    self, ClaimFacts, ClassFacts, DemandKey, Unseen, VolumeFacts, VolumeSource,
-};
+use crate::pod_volumes::{self, Unseen, VolumeFacts, VolumeSource};
 use crate::reservation_book::{Entry, EntryKey, ReservationBook};
 use crate::reservation_journal::{
     JournalRecord, NODE_LIST_LIMIT, ReservedRecord, expiry_from_wall, expiry_to_wall,
 };
 use crate::score::{self, ScorePolicy};
+use controllers::volume_facts::ClaimKey;
 
 /// How `/filter` answers and reserves (`--placement`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -80,7 +79,7 @@ pub struct Demand {
     /// Sizes of all pending volumes, for the fit.
     pub sizes: Vec<u64>,
     /// The pod's own claims: their allocations are the demand, not someone else's usage.
-    pub own_claims: Vec<(String, String)>,
+    pub own_claims: Vec<ClaimKey>,
 }
 
 /// The answer of `/filter` and what to count about it.
@@ -140,9 +139,9 @@ impl ExtenderState {
     /// Applies a claim; `true` when a reservation entry was handed over to `allocated`.
     pub fn apply_claim(&mut self, claim: &PersistentVolumeClaim) -> bool {
         self.index.apply_claim(claim);
-        match (&claim.metadata.namespace, &claim.metadata.name) {
-            (Some(namespace), Some(name)) => self.hand_over(namespace, name),
-            _ => false,
+        match ClaimKey::of(claim) {
+            Some(key) => self.hand_over(&key),
+            None => false,
         }
     }
 
@@ -152,20 +151,16 @@ impl ExtenderState {
     pub fn apply_volume(&mut self, pv: &PersistentVolume) -> bool {
         self.index.apply_volume(pv);
         let claim = pv.spec.as_ref().and_then(|s| s.claim_ref.as_ref());
-        match claim.map(|c| (&c.namespace, &c.name)) {
-            Some((Some(namespace), Some(name))) => self.hand_over(namespace, name),
-            _ => false,
+        match claim.and_then(|c| Some(ClaimKey::new(c.namespace.clone()?, c.name.clone()?))) {
+            Some(key) => self.hand_over(&key),
+            None => false,
         }
     }
 
     /// Ends the claim's reservation entry if the index counts the claim on a node now.
-    fn hand_over(&mut self, namespace: &str, name: &str) -> bool {
-        let key = VolumeKey::Claim {
-            namespace: namespace.to_owned(),
-            name: name.to_owned(),
-        };
-        match self.index.counted_on(&key) {
-            Some(node) => self.book.claim_selected(namespace, name, node).is_some(),
+    fn hand_over(&mut self, claim: &ClaimKey) -> bool {
+        match self.index.counted_on(&VolumeKey::Claim(claim.clone())) {
+            Some(node) => self.book.claim_selected(claim, node).is_some(),
             None => false,
         }
     }
@@ -311,12 +306,9 @@ impl ExtenderState {
                 .entries
                 .into_iter()
                 .filter(|e| match &e.key {
-                    EntryKey::Claim { namespace, name } => self
+                    EntryKey::Claim(claim) => self
                         .index
-                        .counted_on(&VolumeKey::Claim {
-                            namespace: namespace.clone(),
-                            name: name.clone(),
-                        })
+                        .counted_on(&VolumeKey::Claim(claim.clone()))
                         .is_none(),
                     EntryKey::Inline { .. } => true,
                 })
@@ -357,11 +349,9 @@ impl ExtenderState {
             demand.sizes.push(size);
             let already_selected = match &volume.source {
                 VolumeSource::Claim(key) | VolumeSource::Ephemeral(key) => {
-                    demand
-                        .own_claims
-                        .push((key.namespace.clone(), key.name.clone()));
+                    demand.own_claims.push(key.clone());
                     self.index
-                        .claim(&key.namespace, &key.name)
+                        .claim(key)
                         .is_some_and(|c| c.selected_node.is_some())
                 }
                 VolumeSource::Inline => false,
@@ -369,14 +359,10 @@ impl ExtenderState {
             if already_selected {
                 continue;
             }
-            let key = match volume.key(uid) {
-                DemandKey::Claim(key) => EntryKey::Claim {
-                    namespace: key.namespace,
-                    name: key.name,
-                },
-                DemandKey::Inline { pod_uid, volume } => EntryKey::Inline { pod_uid, volume },
-            };
-            demand.entries.push(Entry { key, size });
+            demand.entries.push(Entry {
+                key: volume.key(uid),
+                size,
+            });
         }
         demand
     }
@@ -384,28 +370,16 @@ impl ExtenderState {
     fn facts(&self, pod: &Pod, namespace: &str) -> VolumeFacts {
         let mut facts = VolumeFacts::default();
         for key in pod_volumes::claims_to_look_up(pod, namespace) {
-            let found = self.index.claim(&key.namespace, &key.name).map(claim_facts);
+            let found = self.index.claim(&key).cloned();
             facts.claims.insert(key, found);
         }
         let lookups = pod_volumes::classes_to_look_up(pod, namespace, &facts);
         for name in lookups.names {
-            let found = self.index.class(&name).map(|c| ClassFacts {
-                provisioner: c.provisioner.clone(),
-                late_binding: c.binding_mode != "Immediate",
-            });
+            let found = self.index.class(&name).cloned();
             facts.classes.insert(name, found);
         }
         if lookups.default_class {
-            let default = self
-                .index
-                .classes()
-                .filter(|(_, c)| c.default)
-                .max_by(|(an, a), (bn, b)| a.created.cmp(&b.created).then_with(|| bn.cmp(an)))
-                .map(|(_, c)| ClassFacts {
-                    provisioner: c.provisioner.clone(),
-                    late_binding: c.binding_mode != "Immediate",
-                });
-            facts.default_class = Some(default);
+            facts.default_class = Some(self.index.default_class().cloned());
         }
         facts
     }
@@ -663,15 +637,6 @@ impl ExtenderState {
 
 fn pod_node(pod: &Pod) -> Option<&str> {
     pod.spec.as_ref()?.node_name.as_deref()
-}
-
-fn claim_facts(record: &ClaimRecord) -> ClaimFacts {
-    ClaimFacts {
-        bound: record.volume_name.is_some(),
-        storage_class: record.class.clone().filter(|c| !c.is_empty()),
-        provisioner_annotation: record.provisioner.clone(),
-        size: Some(record.request).filter(|s| *s > 0),
-    }
 }
 
 #[cfg(test)]

@@ -8,90 +8,12 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod, Volume};
-use k8s_openapi::api::storage::v1::StorageClass;
-use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-
-/// The annotation kube-controller-manager sets on a claim to the provisioner that serves it.
-pub const STORAGE_PROVISIONER: &str = "volume.kubernetes.io/storage-provisioner";
-/// Its deprecated predecessor, still set by kube-controller-manager.
-pub const BETA_STORAGE_PROVISIONER: &str = "volume.beta.kubernetes.io/storage-provisioner";
-/// The annotation that marks a StorageClass as the cluster default.
-pub const DEFAULT_CLASS: &str = "storageclass.kubernetes.io/is-default-class";
-/// Its beta predecessor, still honoured by the DefaultStorageClass admission plugin.
-pub const BETA_DEFAULT_CLASS: &str = "storageclass.beta.kubernetes.io/is-default-class";
-/// The binding mode that provisions before a pod is scheduled, so a node is never chosen by us.
-pub const IMMEDIATE: &str = "Immediate";
-/// The volume attribute that sizes a CSI inline volume.
-pub const INLINE_SIZE: &str = "size";
-
-/// A PersistentVolumeClaim's identity.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ClaimKey {
-    /// The claim's namespace (always the pod's).
-    pub namespace: String,
-    /// The claim's name.
-    pub name: String,
-}
-
-impl ClaimKey {
-    /// A key from its parts.
-    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
-        ClaimKey {
-            namespace: namespace.into(),
-            name: name.into(),
-        }
-    }
-}
-
-/// What the classification needs to know about one existing claim.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct ClaimFacts {
-    /// `spec.volumeName` is set, so nothing is left to provision.
-    pub bound: bool,
-    /// `spec.storageClassName`; `None` when absent or empty (both mean "no class").
-    pub storage_class: Option<String>,
-    /// The storage-provisioner annotation (or its beta predecessor).
-    pub provisioner_annotation: Option<String>,
-    /// `spec.resources.requests["storage"]` in bytes; `None` when absent, zero or unparseable.
-    pub size: Option<u64>,
-}
-
-impl From<&PersistentVolumeClaim> for ClaimFacts {
-    fn from(claim: &PersistentVolumeClaim) -> Self {
-        let spec = claim.spec.as_ref();
-        ClaimFacts {
-            bound: spec
-                .and_then(|s| s.volume_name.as_deref())
-                .is_some_and(|v| !v.is_empty()),
-            storage_class: spec.and_then(|s| non_empty(s.storage_class_name.as_deref())),
-            provisioner_annotation: provisioner_annotation(&claim.metadata),
-            size: spec.and_then(|s| storage_request(s.resources.as_ref()?.requests.as_ref())),
-        }
-    }
-}
-
-/// What the classification needs to know about one StorageClass.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ClassFacts {
-    /// `provisioner`.
-    pub provisioner: String,
-    /// `volumeBindingMode` is set and is not `Immediate` (absent defaults to `Immediate`).
-    pub late_binding: bool,
-}
-
-impl From<&StorageClass> for ClassFacts {
-    fn from(class: &StorageClass) -> Self {
-        ClassFacts {
-            provisioner: class.provisioner.clone(),
-            late_binding: class
-                .volume_binding_mode
-                .as_deref()
-                .is_some_and(|mode| mode != IMMEDIATE),
-        }
-    }
-}
+use controllers::volume_facts::{
+    Binding, is_ours, positive_bytes, provisioner_annotation, storage_request,
+};
+pub use controllers::volume_facts::{ClaimFacts, ClaimKey, ClassFacts};
+use controllers::well_known::INLINE_SIZE;
+use k8s_openapi::api::core::v1::{Pod, Volume};
 
 /// Everything the shell looked up for one pod. An absent map entry and a `None` entry both
 /// mean "missing"; keeping `None` lets the shell remember a failed GET.
@@ -143,8 +65,13 @@ pub struct PendingVolume {
     pub size: Option<u64>,
 }
 
-/// How the extender identifies one entry of a pod's demand across requests.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+/// How the extender identifies one entry of a pod's demand across requests (and in its
+/// reservation journal: `{"kind": "claim", "namespace", "name"}` or
+/// `{"kind": "inline", "pod_uid", "volume"}`).
+#[derive(
+    Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+#[serde(tag = "kind", rename_all = "lowercase")]
 pub enum DemandKey {
     /// A claim (named or ephemeral): its reservation ends when the claim shows a selected node.
     Claim(ClaimKey),
@@ -220,8 +147,8 @@ pub fn classes_to_look_up(pod: &Pod, namespace: &str, facts: &VolumeFacts) -> Cl
         match classify(volume) {
             Kind::Claim(name) => {
                 if let Some(class) = claim_facts(facts, namespace, name)
-                    .filter(|c| !c.bound)
-                    .and_then(|c| c.storage_class.as_deref())
+                    .filter(|c| !c.bound())
+                    .and_then(|c| c.class.as_deref())
                 {
                     names.insert(class.to_string());
                 }
@@ -233,8 +160,7 @@ pub fn classes_to_look_up(pod: &Pod, namespace: &str, facts: &VolumeFacts) -> Cl
                     .flatten()
                 {
                     Some(claim) => {
-                        if let Some(class) = claim.storage_class.as_deref().filter(|_| !claim.bound)
-                        {
+                        if let Some(class) = claim.class.as_deref().filter(|_| !claim.bound()) {
                             names.insert(class.to_string());
                         }
                     }
@@ -277,7 +203,7 @@ pub fn pending_volumes(
                 .map(|claim| {
                     (
                         VolumeSource::Claim(ClaimKey::new(namespace, name)),
-                        claim.size,
+                        claim.request,
                     )
                 }),
             Kind::Ephemeral => {
@@ -288,7 +214,7 @@ pub fn pending_volumes(
                     .then(|| claim_facts(facts, &key.namespace, &key.name))
                     .flatten();
                 match existing {
-                    Some(claim) => claim_is_ours(claim, driver, facts).then_some(claim.size),
+                    Some(claim) => claim_is_ours(claim, driver, facts).then_some(claim.request),
                     None => template_is_ours(volume, driver, facts).then(|| template_size(volume)),
                 }
                 .map(|size| (VolumeSource::Ephemeral(key), size))
@@ -298,7 +224,7 @@ pub fn pending_volumes(
                     .volume_attributes
                     .as_ref()
                     .and_then(|attrs| attrs.get(INLINE_SIZE))
-                    .and_then(|text| bytes(text));
+                    .and_then(|text| positive_bytes(text));
                 (VolumeSource::Inline, size)
             }),
             Kind::Other => None,
@@ -351,35 +277,10 @@ pub fn first_unseen(pod: &Pod, namespace: &str, facts: &VolumeFacts) -> Option<U
         let Some(claim) = claim_facts(facts, namespace, name) else {
             return Some(Unseen::Claim(ClaimKey::new(namespace, name)));
         };
-        let class = claim.storage_class.as_ref().filter(|_| !claim.bound)?;
+        let class = claim.class.as_ref().filter(|_| !claim.bound())?;
         let known = facts.classes.get(class).is_some_and(Option::is_some);
         (!known).then(|| Unseen::Class(class.clone()))
     })
-}
-
-/// Whether `class` carries a default-class annotation with value `"true"`.
-pub fn is_default_class(class: &StorageClass) -> bool {
-    class.metadata.annotations.as_ref().is_some_and(|a| {
-        [DEFAULT_CLASS, BETA_DEFAULT_CLASS]
-            .iter()
-            .any(|key| a.get(*key).is_some_and(|v| v == "true"))
-    })
-}
-
-/// The class the DefaultStorageClass admission plugin would assign: among the default-annotated
-/// classes the newest by creationTimestamp, ties broken by the smaller name (as Kubernetes does).
-pub fn default_class<'a>(
-    classes: impl IntoIterator<Item = &'a StorageClass>,
-) -> Option<&'a StorageClass> {
-    classes
-        .into_iter()
-        .filter(|class| is_default_class(class))
-        .max_by(|a, b| {
-            a.metadata
-                .creation_timestamp
-                .cmp(&b.metadata.creation_timestamp)
-                .then_with(|| b.metadata.name.cmp(&a.metadata.name))
-        })
 }
 
 enum Kind<'a> {
@@ -424,25 +325,20 @@ fn claim_facts<'a>(facts: &'a VolumeFacts, namespace: &str, name: &str) -> Optio
 }
 
 fn claim_is_ours(claim: &ClaimFacts, driver: &str, facts: &VolumeFacts) -> bool {
-    if claim.bound {
+    if claim.bound() {
         return false;
     }
     let class = claim
-        .storage_class
+        .class
         .as_ref()
         .and_then(|name| facts.classes.get(name))
         .and_then(Option::as_ref);
-    class_is_ours(class, claim.provisioner_annotation.as_deref(), driver)
-}
-
-/// The test shared by claims and templates. Without a class object only the provisioner
-/// annotation can tell; it is set only for classes that wait, or for claims already handed to
-/// the provisioner, so it is treated as late binding.
-fn class_is_ours(class: Option<&ClassFacts>, annotation: Option<&str>, driver: &str) -> bool {
-    match class {
-        Some(class) => class.provisioner == driver && class.late_binding,
-        None => annotation == Some(driver),
-    }
+    is_ours(
+        class,
+        claim.provisioner_annotation.as_deref(),
+        driver,
+        Binding::Late,
+    )
 }
 
 enum TemplateClass<'a> {
@@ -476,7 +372,7 @@ fn template_is_ours(volume: &Volume, driver: &str, facts: &VolumeFacts) -> bool 
         .and_then(|e| e.volume_claim_template.as_ref())
         .and_then(|t| t.metadata.as_ref())
         .and_then(provisioner_annotation);
-    class_is_ours(class, annotation.as_deref(), driver)
+    is_ours(class, annotation.as_deref(), driver, Binding::Late)
 }
 
 fn template_size(volume: &Volume) -> Option<u64> {
@@ -484,32 +380,15 @@ fn template_size(volume: &Volume) -> Option<u64> {
     storage_request(template.spec.resources.as_ref()?.requests.as_ref())
 }
 
-fn provisioner_annotation(meta: &ObjectMeta) -> Option<String> {
-    let annotations = meta.annotations.as_ref()?;
-    annotations
-        .get(STORAGE_PROVISIONER)
-        .or_else(|| annotations.get(BETA_STORAGE_PROVISIONER))
-        .cloned()
-}
-
-fn storage_request(requests: Option<&BTreeMap<String, Quantity>>) -> Option<u64> {
-    bytes(&requests?.get("storage")?.0)
-}
-
-fn bytes(text: &str) -> Option<u64> {
-    controllers::quantity::parse_bytes(text)
-        .ok()
-        .filter(|&n| n > 0)
-}
-
-fn non_empty(text: Option<&str>) -> Option<String> {
-    text.filter(|t| !t.is_empty()).map(str::to_string)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::test_objects::json::*;
+    use controllers::well_known::{
+        BETA_DEFAULT_CLASS, BETA_STORAGE_PROVISIONER, DEFAULT_CLASS, IMMEDIATE,
+    };
+    use k8s_openapi::api::core::v1::PersistentVolumeClaim;
+    use k8s_openapi::api::storage::v1::StorageClass;
     use serde_json::{Value, json};
 
     const GI: u64 = 1 << 30;
@@ -1110,7 +989,19 @@ mod tests {
                 Some("a"),
             ),
         ] {
-            let got = default_class(&classes).and_then(|c| c.metadata.name.as_deref());
+            let facts: Vec<(String, ClassFacts)> = classes
+                .iter()
+                .map(|c| {
+                    (
+                        c.metadata.name.clone().unwrap_or_default(),
+                        ClassFacts::of(c),
+                    )
+                })
+                .collect();
+            let got = controllers::volume_facts::default_class(
+                facts.iter().map(|(n, c)| (n.as_str(), c)),
+            )
+            .map(|(name, _)| name);
             assert_eq!(got, want, "{name}");
         }
     }
@@ -1145,10 +1036,11 @@ mod tests {
                 Some("1Gi")
             )),
             ClaimFacts {
-                bound: true,
-                storage_class: Some("pmem".into()),
+                class: Some("pmem".into()),
+                volume_name: Some("pv".into()),
                 provisioner_annotation: Some(DRIVER.into()),
-                size: Some(GI),
+                request: Some(GI),
+                ..ClaimFacts::default()
             }
         );
         let beta: PersistentVolumeClaim = serde_json::from_value(json!({

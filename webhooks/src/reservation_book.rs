@@ -24,32 +24,15 @@ use std::collections::{BTreeMap, HashSet};
 use std::hash::Hash;
 use std::time::{Duration, Instant};
 
-use crate::capacity_index::NodeHasher;
+use crate::node_table::NodeHasher;
+use controllers::volume_facts::ClaimKey;
 
 /// How long a reservation lives when nothing ends it (`--reservation-ttl` default).
 pub const DEFAULT_TTL: Duration = Duration::from_secs(10 * 60);
 
-/// What one reserved volume is.
-#[derive(
-    Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
-)]
-#[serde(tag = "kind", rename_all = "lowercase")]
-pub enum EntryKey {
-    /// A PVC (also the PVC of a generic ephemeral volume), ended by its selected-node.
-    Claim {
-        /// The PVC's namespace.
-        namespace: String,
-        /// The PVC's name.
-        name: String,
-    },
-    /// A CSI inline volume, ended when its pod is bound.
-    Inline {
-        /// The owning pod's uid.
-        pod_uid: String,
-        /// The volume's name in the pod spec.
-        volume: String,
-    },
-}
+/// What one reserved volume is: a pod's demand entry (its journal form is `kind` plus the
+/// key's fields).
+pub use crate::pod_volumes::DemandKey as EntryKey;
 
 /// One reserved volume.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -120,7 +103,7 @@ pub struct ReservationBook<N = String> {
     by_pod: BTreeMap<String, Reservation<N>>,
     /// Which pod's reservation holds each claim: a claim is held at most once, even when several
     /// pending pods use it, so that it is never counted twice.
-    claims: BTreeMap<(String, String), String>,
+    claims: BTreeMap<ClaimKey, String>,
 }
 
 impl<N: Hash + Eq + Clone> Default for ReservationBook<N> {
@@ -174,11 +157,10 @@ impl<N: Hash + Eq + Clone> ReservationBook<N> {
             return replaced;
         }
         for key in entries.keys() {
-            if let EntryKey::Claim { namespace, name } = key {
-                let claim = (namespace.clone(), name.clone());
-                if let Some(holder) = self.claims.insert(claim, pod_uid.to_owned()) {
-                    self.drop_entry(&holder, key);
-                }
+            if let EntryKey::Claim(claim) = key
+                && let Some(holder) = self.claims.insert(claim.clone(), pod_uid.to_owned())
+            {
+                self.drop_entry(&holder, key);
             }
         }
         self.by_pod.insert(
@@ -197,19 +179,9 @@ impl<N: Hash + Eq + Clone> ReservationBook<N> {
     /// `(node, size)` is returned, which the caller adds to `allocated` of that node **in the same
     /// locked update**. The node need not be one the reservation was held on; the claim will be
     /// provisioned there regardless. `None` when no reservation holds the claim.
-    pub fn claim_selected(
-        &mut self,
-        namespace: &str,
-        name: &str,
-        node: &str,
-    ) -> Option<(String, u64)> {
-        let holder = self
-            .claims
-            .remove(&(namespace.to_owned(), name.to_owned()))?;
-        let key = EntryKey::Claim {
-            namespace: namespace.to_owned(),
-            name: name.to_owned(),
-        };
+    pub fn claim_selected(&mut self, claim: &ClaimKey, node: &str) -> Option<(String, u64)> {
+        let holder = self.claims.remove(claim)?;
+        let key = EntryKey::Claim(claim.clone());
         let size = self.drop_entry(&holder, &key)?;
         Some((node.to_owned(), size))
     }
@@ -353,11 +325,10 @@ impl<N: Hash + Eq + Clone> ReservationBook<N> {
     fn remove(&mut self, pod_uid: &str) -> Option<ReservationSummary<N>> {
         let reservation = self.by_pod.remove(pod_uid)?;
         for key in reservation.entries.keys() {
-            if let EntryKey::Claim { namespace, name } = key {
-                let claim = (namespace.clone(), name.clone());
-                if self.claims.get(&claim).is_some_and(|h| h == pod_uid) {
-                    self.claims.remove(&claim);
-                }
+            if let EntryKey::Claim(claim) = key
+                && self.claims.get(claim).is_some_and(|h| h == pod_uid)
+            {
+                self.claims.remove(claim);
             }
         }
         Some(reservation.into_summary(pod_uid))
@@ -383,10 +354,7 @@ mod tests {
 
     fn claim(name: &str, size: u64) -> Entry {
         Entry {
-            key: EntryKey::Claim {
-                namespace: "ns".into(),
-                name: name.into(),
-            },
+            key: EntryKey::Claim(ClaimKey::new("ns", name)),
             size,
         }
     }
@@ -420,7 +388,7 @@ mod tests {
         }
 
         fn select(&mut self, name: &str, node: &str) {
-            if let Some((node, size)) = self.book.claim_selected("ns", name, node) {
+            if let Some((node, size)) = self.book.claim_selected(&ClaimKey::new("ns", name), node) {
                 *self.allocated.entry(node).or_default() += size;
             }
         }
@@ -483,7 +451,7 @@ mod tests {
         assert_eq!(book.reserve("p1", nodes(&["a"]), [], t0), None);
         assert!(book.is_empty());
         assert_eq!(
-            book.claim_selected("ns", "c1", "a"),
+            book.claim_selected(&ClaimKey::new("ns", "c1"), "a"),
             None,
             "claim index cleaned up"
         );
@@ -526,7 +494,7 @@ mod tests {
         // p2 deleted later must not release p1's hold.
         assert_eq!(book.pod_deleted("p2"), None);
         assert_eq!(
-            book.claim_selected("ns", "shared", "a"),
+            book.claim_selected(&ClaimKey::new("ns", "shared"), "a"),
             Some(("a".into(), GI))
         );
     }
@@ -562,10 +530,14 @@ mod tests {
                 [claim("c1", GI), inline("p1", "v", 2 * GI)],
                 t0,
             );
-            assert_eq!(book.claim_selected(ns, claim_name, node), want, "{name}");
+            assert_eq!(
+                book.claim_selected(&ClaimKey::new(ns, claim_name), node),
+                want,
+                "{name}"
+            );
             assert_eq!(book.reserved_on("a", "").0, left, "{name}");
             assert_eq!(
-                book.claim_selected(ns, claim_name, node),
+                book.claim_selected(&ClaimKey::new(ns, claim_name), node),
                 None,
                 "{name}: only once"
             );
@@ -577,9 +549,9 @@ mod tests {
         let t0 = Instant::now();
         let mut book = ReservationBook::default();
         book.reserve("p1", nodes(&["a"]), [claim("c1", GI), claim("c2", GI)], t0);
-        book.claim_selected("ns", "c1", "a");
+        book.claim_selected(&ClaimKey::new("ns", "c1"), "a");
         assert_eq!(book.len(), 1);
-        book.claim_selected("ns", "c2", "a");
+        book.claim_selected(&ClaimKey::new("ns", "c2"), "a");
         assert!(book.is_empty());
         assert_eq!(book.total_reserved(), 0);
     }
@@ -628,7 +600,7 @@ mod tests {
         assert_eq!(book.reserved_on("a", ""), (0, vec![]));
         assert_eq!(book.total_reserved(), 2 * GI, "p1's claim on b, p3's on z");
         assert_eq!(
-            book.claim_selected("ns", "c4", "y"),
+            book.claim_selected(&ClaimKey::new("ns", "c4"), "y"),
             Some(("y".to_owned(), GI))
         );
         assert_eq!(book.get("p4"), None);
@@ -646,7 +618,7 @@ mod tests {
         );
         assert!(book.is_empty());
         assert_eq!(book.pod_deleted("p1"), None);
-        assert_eq!(book.claim_selected("ns", "c1", "a"), None);
+        assert_eq!(book.claim_selected(&ClaimKey::new("ns", "c1"), "a"), None);
     }
 
     #[test]
@@ -671,7 +643,7 @@ mod tests {
             ["old"]
         );
         assert_eq!(
-            book.claim_selected("ns", "c1", "a"),
+            book.claim_selected(&ClaimKey::new("ns", "c1"), "a"),
             None,
             "claim index cleaned up"
         );

@@ -261,10 +261,10 @@ mod tests {
             pod: pod.into(),
             entries: vec![
                 Entry {
-                    key: EntryKey::Claim {
-                        namespace: "ns".into(),
-                        name: format!("{pod}-data"),
-                    },
+                    key: EntryKey::Claim(controllers::volume_facts::ClaimKey::new(
+                        "ns",
+                        format!("{pod}-data"),
+                    )),
                     size: 1 << 30,
                 },
                 Entry {

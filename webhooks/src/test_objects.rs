@@ -13,7 +13,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::api::ObjectMeta;
 
-use crate::capacity_index::{DRIVER_LABEL, SELECTED_NODE};
+use controllers::well_known::{DRIVER_LABEL, SELECTED_NODE};
 
 /// The driver every builder names.
 pub const DRIVER: &str = "pmem-csi.intel.com";

@@ -13,10 +13,11 @@ use axum::extract::{DefaultBodyLimit, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
+use controllers::well_known::name_prefix;
 use k8s_openapi::api::core::v1::PersistentVolumeClaim;
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::Api;
-use kube::runtime::reflector::ObjectRef;
+use kube::runtime::reflector::{ObjectRef, Store};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -32,6 +33,7 @@ use crate::https::HttpsServer;
 use crate::mutation::{self, Decision, WebhookPolicy};
 use crate::pod_volumes::{self, ClaimFacts, ClassFacts, VolumeFacts};
 use crate::tls::{CertFiles, CertResolver};
+use controllers::volume_facts::default_class;
 
 /// The apiserver's own request limit; a review is never larger.
 pub const BODY_LIMIT: usize = 3 << 20;
@@ -147,11 +149,6 @@ pub struct WebhookConfigError {
     pub flag: &'static str,
     /// Why.
     pub reason: String,
-}
-
-/// The prefix PMEM-CSI derives object names from: the driver name, dots replaced by dashes.
-pub fn name_prefix(driver: &str) -> String {
-    driver.replace('.', "-")
 }
 
 impl WebhookOptions {
@@ -469,10 +466,7 @@ async fn decide(shared: &Shared, request: &admission::AdmissionRequest) -> Decis
         facts.classes.insert(name, found);
     }
     if lookups.default_class {
-        let classes = shared.stores.classes.state();
-        facts.default_class = Some(
-            pod_volumes::default_class(classes.iter().map(|c| c.as_ref())).map(ClassFacts::from),
-        );
+        facts.default_class = Some(cached_default_class(&shared.stores.classes));
     }
     mutation::decide(
         pod,
@@ -517,6 +511,16 @@ where
     }
     out.extend(pending.into_iter().map(|key| (key, None)));
     out
+}
+
+/// The cluster's default class among the cached ones.
+fn cached_default_class(classes: &Store<StorageClass>) -> Option<ClassFacts> {
+    let all: Vec<(String, ClassFacts)> = classes
+        .state()
+        .iter()
+        .filter_map(|c| Some((c.metadata.name.clone()?, ClassFacts::of(c))))
+        .collect();
+    default_class(all.iter().map(|(name, class)| (name.as_str(), class))).map(|(_, c)| c.clone())
 }
 
 fn cached_claim(shared: &Shared, key: &pod_volumes::ClaimKey) -> Option<ClaimFacts> {
@@ -602,11 +606,7 @@ pub fn pod_relevance(stores: Stores, policy: WebhookPolicy) -> controllers::bypa
             facts.classes.insert(name, found);
         }
         if lookups.default_class {
-            let classes = stores.classes.state();
-            facts.default_class = Some(
-                pod_volumes::default_class(classes.iter().map(|c| c.as_ref()))
-                    .map(ClassFacts::from),
-            );
+            facts.default_class = Some(cached_default_class(&stores.classes));
         }
         !pod_volumes::pending_volumes(pod, &namespace, &policy.driver, &facts).is_empty()
     })

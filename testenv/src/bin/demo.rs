@@ -188,7 +188,7 @@ async fn narrate_pod(
     let pods = Api::<Pod>::namespaced(client.clone(), NAMESPACE);
     let driver = env.driver_name().to_string();
     let created = pods.get(name).await?;
-    let resource = format!("{driver}/scheduler");
+    let resource = controllers::well_known::scheduler_resource(&driver);
     let marked = created
         .spec
         .as_ref()
@@ -243,7 +243,7 @@ async fn narrate_pod(
         let pv = Api::<PersistentVolume>::all(client.clone())
             .get(&pv_name)
             .await?;
-        let pinned = testenv::objects::pinned_node(&pv, &driver).unwrap_or_default();
+        let pinned = controllers::volume_facts::pv_node(&pv, &driver).unwrap_or_default();
         n.say(
             "pv",
             format!("{NAMESPACE}/{claim} -> {pv_name} pinned to {pinned}"),
