@@ -86,7 +86,7 @@ struct ExtenderCommand {
     #[command(flatten)]
     common: Common,
     #[command(flatten)]
-    extender: webhooks::extender::ExtenderOptions,
+    extender: extender::ExtenderOptions,
 }
 
 /// Flags every mode takes.
@@ -231,8 +231,7 @@ async fn main() -> anyhow::Result<()> {
     }
     if let Mode::Extender(c) = &cli.mode {
         let config = c.extender.validate()?;
-        let extender =
-            webhooks::extender::Extender::start(config, &mut registry, &readiness).await?;
+        let extender = extender::Extender::start(config, &mut registry, &readiness).await?;
         let token = shutdown.clone();
         work.spawn(async move {
             extender.run(token.clone()).await?;

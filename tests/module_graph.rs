@@ -9,10 +9,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
-const CRATES: [&str; 7] = [
+const CRATES: [&str; 8] = [
     "src",
     "controllers/src",
     "webhooks/src",
+    "extender/src",
     "driver/src",
     "testenv/src",
     "e2e/src",

@@ -13,12 +13,12 @@ use controllers::capacity_publisher::{self, Publisher};
 use controllers::volume_facts::ClassFacts;
 use driver::backend::Backend;
 use driver::csi::{CapacityRange, CreateVolumeRequest};
+use extender::capacity_index::CapacityIndex;
+use extender::fit::{self, NodeView};
 use testenv::csi_client::{Harness, block, mount, params};
 use testenv::csi_sanity;
 use testenv::node_driver::NodeDriverDirs;
 use tonic::Code;
-use webhooks::capacity_index::CapacityIndex;
-use webhooks::fit::{self, NodeView};
 
 const MI: u64 = 1 << 20;
 

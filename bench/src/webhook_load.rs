@@ -512,7 +512,7 @@ mod tests {
         .expect("the webhook decodes the review");
         assert_eq!(review.namespace, "ns");
         assert!(review.object.is_some());
-        let args = webhooks::extender_api::decode_request(&extender_args(3).expect("args"))
+        let args = extender::api::decode_request(&extender_args(3).expect("args"))
             .expect("the extender decodes the args");
         assert!(!args.pod_uid.is_empty());
         let raw: serde_json::Value =

@@ -17,12 +17,15 @@ pub mod logging;
 pub mod names;
 pub mod node_selector;
 pub mod orphan_sweep;
+pub mod pod_volumes;
 pub mod quantity;
 pub mod rate_limit;
 pub mod readiness;
 pub mod reconcile_metrics;
 pub mod rescheduler;
 pub mod stores;
+#[cfg(any(test, feature = "test-objects"))]
+pub mod test_objects;
 pub mod volume_cost;
 pub mod volume_facts;
 pub mod waiting_claims;

@@ -22,8 +22,8 @@ pub fn field<'a>(line: &'a Value, name: &str) -> Option<&'a str> {
 }
 
 /// The extender's last filter decision for `pod` (`namespace/name`) that passed a node:
-/// the first node it passed and its per-node verdicts (debug level of `webhooks::extender` and
-/// `webhooks::placement`).
+/// the first node it passed and its per-node verdicts (debug level of `extender::server` and
+/// `extender::placement`).
 pub fn extender_decision(log: &Path, pod: &str) -> Option<(String, String)> {
     lines(log)
         .iter()

@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 use std::collections::BTreeMap;
 
 use crate::admission::Operation;
-use crate::pod_volumes::{VolumeFacts, pending_volumes};
+use controllers::pod_volumes::{VolumeFacts, pending_volumes};
 pub use controllers::well_known::{WEBHOOK_OPT_OUT_LABEL as OPT_OUT_LABEL, scheduler_resource};
 
 /// The value of [`OPT_OUT_LABEL`] that opts out.
@@ -225,10 +225,10 @@ fn escape_pointer(token: &str) -> String {
 mod tests {
     use super::*;
     use crate::admission::decode_review;
-    use crate::pod_volumes::{
+    use controllers::pod_volumes::{
         ClaimFacts, ClaimKey, ClassFacts, claims_to_look_up, classes_to_look_up,
     };
-    use crate::test_objects::json::*;
+    use controllers::test_objects::json::*;
     use serde_json::json;
 
     const KEY: &str = "pmem-csi.intel.com/scheduler";

@@ -31,8 +31,8 @@ use controllers::stores::Stores;
 use crate::admission;
 use crate::https::HttpsServer;
 use crate::mutation::{self, Decision, WebhookPolicy};
-use crate::pod_volumes::{self, ClaimFacts, ClassFacts, VolumeFacts};
 use crate::tls::{CertFiles, CertResolver};
+use controllers::pod_volumes::{self, ClaimFacts, ClassFacts, VolumeFacts};
 use controllers::volume_facts::default_class;
 
 /// The apiserver's own request limit; a review is never larger.

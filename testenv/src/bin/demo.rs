@@ -76,7 +76,7 @@ async fn main() -> anyhow::Result<()> {
             .nodes(3)
             .drivers(options)
             .extender(["--placement=pin", "--log-format=json"])
-            .extender_env("RUST_LOG", "info,webhooks::extender=debug,webhooks::placement=debug")
+            .extender_env("RUST_LOG", "info,extender::server=debug,extender::placement=debug")
             .controller(Vec::<String>::new())
             .kubelet()
             .start() => env.context("starting testenv")?,

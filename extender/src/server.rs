@@ -33,7 +33,7 @@ use controllers::node_selector::NodeSelector;
 use controllers::readiness::{Readiness, ReadyFlag};
 use controllers::stores::NodeStores;
 
-use crate::extender_metrics::{ExtenderMetrics, ReservationEvent};
+use crate::metrics::{ExtenderMetrics, ReservationEvent};
 use crate::placement::{ExtenderState, Placement};
 use crate::reservation_journal::{ReservationJournal, ReservedRecord};
 use crate::score::ScorePolicy;
@@ -528,7 +528,7 @@ async fn filter(State(shared): State<Shared>, body: Bytes) -> Response {
             .request("filter", response.status().as_u16(), started.elapsed());
         return response;
     }
-    let response = match crate::extender_api::decode_request(&body) {
+    let response = match crate::api::decode_request(&body) {
         Err(e) => bad_request(e.to_string()),
         Ok(request) => {
             let driverless = judge_driverless(&shared.liveness);
@@ -576,7 +576,7 @@ async fn filter(State(shared): State<Shared>, body: Bytes) -> Response {
 
 async fn prioritize(State(shared): State<Shared>, body: Bytes) -> Response {
     let started = Instant::now();
-    let response = match crate::extender_api::decode_request(&body) {
+    let response = match crate::api::decode_request(&body) {
         Err(e) => bad_request(e.to_string()),
         Ok(request) => {
             let state = shared.lock();
@@ -593,7 +593,7 @@ async fn prioritize(State(shared): State<Shared>, body: Bytes) -> Response {
 
 async fn preempt(State(shared): State<Shared>, body: Bytes) -> Response {
     let started = Instant::now();
-    let response = match crate::extender_api::decode_preemption_request(&body) {
+    let response = match crate::api::decode_preemption_request(&body) {
         Err(e) => bad_request(e.to_string()),
         Ok(request) => {
             let state = shared.lock();

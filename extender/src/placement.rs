@@ -11,19 +11,19 @@ use std::time::{Duration, Instant, SystemTime};
 
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 
-use crate::capacity_index::{CapacityIndex, NodeId, VolumeKey};
-use crate::extender_api::{
+use crate::api::{
     ExtenderFilterResult, ExtenderPreemptionResult, ExtenderRequest, HostPriorityList,
     PreemptionRequest, Rejection,
 };
-use crate::extender_metrics::ReservationEvent;
+use crate::capacity_index::{CapacityIndex, NodeId, VolumeKey};
 use crate::fit::{self, NodeView};
-use crate::pod_volumes::{self, Unseen, VolumeFacts, VolumeSource};
+use crate::metrics::ReservationEvent;
 use crate::reservation_book::{Entry, EntryKey, ReservationBook};
 use crate::reservation_journal::{
     JournalRecord, NODE_LIST_LIMIT, ReservedRecord, expiry_from_wall, expiry_to_wall,
 };
 use crate::score::{self, ScorePolicy};
+use controllers::pod_volumes::{self, Unseen, VolumeFacts, VolumeSource};
 use controllers::volume_facts::ClaimKey;
 
 /// How `/filter` answers and reserves (`--placement`).
@@ -642,8 +642,8 @@ fn pod_node(pod: &Pod) -> Option<&str> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::extender_api::decode_request;
-    use crate::test_objects::{
+    use crate::api::decode_request;
+    use controllers::test_objects::{
         DRIVER, GI, MI, claim_pod, class, managed_capacity, sized_claim, volume,
     };
 

@@ -767,7 +767,7 @@ pub fn published_capacity(driver: &str, object: &CSIStorageCapacity) -> Publishe
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_objects::{
+    use controllers::test_objects::{
         DRIVER, GI, capacity, claim, class, inline_pod, managed_capacity, sized_claim, volume,
     };
 

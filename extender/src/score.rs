@@ -10,7 +10,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use crate::extender_api::{HostPriority, HostPriorityList};
+use crate::api::{HostPriority, HostPriorityList};
 
 /// The best score an extender may give (kube-scheduler's `MaxExtenderPriority`).
 pub const MAX_SCORE: i64 = 10;

@@ -8,11 +8,11 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use controllers::volume_facts::{
+use crate::volume_facts::{
     Binding, is_ours, positive_bytes, provisioner_annotation, storage_request,
 };
-pub use controllers::volume_facts::{ClaimFacts, ClaimKey, ClassFacts};
-use controllers::well_known::INLINE_SIZE;
+pub use crate::volume_facts::{ClaimFacts, ClaimKey, ClassFacts};
+use crate::well_known::INLINE_SIZE;
 use k8s_openapi::api::core::v1::{Pod, Volume};
 
 /// Everything the shell looked up for one pod. An absent map entry and a `None` entry both
@@ -384,7 +384,7 @@ fn template_size(volume: &Volume) -> Option<u64> {
 mod tests {
     use super::*;
     use crate::test_objects::json::*;
-    use controllers::well_known::{
+    use crate::well_known::{
         BETA_DEFAULT_CLASS, BETA_STORAGE_PROVISIONER, DEFAULT_CLASS, IMMEDIATE,
     };
     use k8s_openapi::api::core::v1::PersistentVolumeClaim;
@@ -998,10 +998,9 @@ mod tests {
                     )
                 })
                 .collect();
-            let got = controllers::volume_facts::default_class(
-                facts.iter().map(|(n, c)| (n.as_str(), c)),
-            )
-            .map(|(name, _)| name);
+            let got =
+                crate::volume_facts::default_class(facts.iter().map(|(n, c)| (n.as_str(), c)))
+                    .map(|(name, _)| name);
             assert_eq!(got, want, "{name}");
         }
     }

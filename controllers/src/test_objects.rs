@@ -13,7 +13,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::api::ObjectMeta;
 
-use controllers::well_known::{DRIVER_LABEL, SELECTED_NODE};
+use crate::well_known::{DRIVER_LABEL, SELECTED_NODE};
 
 /// The driver every builder names.
 pub const DRIVER: &str = "pmem-csi.intel.com";
@@ -219,7 +219,7 @@ pub mod json {
     pub use super::DRIVER;
 
     /// A pod with one container and the given volumes (as JSON).
-    pub(crate) fn pod(volumes: Vec<Value>) -> Pod {
+    pub fn pod(volumes: Vec<Value>) -> Pod {
         pod_json(json!({
             "metadata": {"name": "app", "namespace": "ns", "uid": "uid-1"},
             "spec": {"containers": [{"name": "c", "image": "busybox"}], "volumes": volumes},
@@ -227,15 +227,17 @@ pub mod json {
     }
 
     /// A pod from its JSON form.
-    pub(crate) fn pod_json(value: Value) -> Pod {
+    pub fn pod_json(value: Value) -> Pod {
         serde_json::from_value(value).expect("test pod decodes")
     }
 
-    pub(crate) fn pvc_volume(name: &str, claim: &str) -> Value {
+    /// A pod volume naming claim `claim`.
+    pub fn pvc_volume(name: &str, claim: &str) -> Value {
         json!({"name": name, "persistentVolumeClaim": {"claimName": claim}})
     }
 
-    pub(crate) fn inline_volume(name: &str, driver: &str, size: Option<&str>) -> Value {
+    /// A CSI inline volume of `driver`, sized by its `size` attribute when given.
+    pub fn inline_volume(name: &str, driver: &str, size: Option<&str>) -> Value {
         let mut csi = json!({"driver": driver});
         if let Some(size) = size {
             csi["volumeAttributes"] = json!({"size": size});
@@ -243,7 +245,8 @@ pub mod json {
         json!({"name": name, "csi": csi})
     }
 
-    pub(crate) fn ephemeral_volume(name: &str, class: Option<&str>, size: Option<&str>) -> Value {
+    /// A generic ephemeral volume whose claim template names `class` and requests `size`.
+    pub fn ephemeral_volume(name: &str, class: Option<&str>, size: Option<&str>) -> Value {
         let mut spec = json!({"accessModes": ["ReadWriteOnce"]});
         if let Some(class) = class {
             spec["storageClassName"] = json!(class);
@@ -255,7 +258,7 @@ pub mod json {
     }
 
     /// A claim in namespace `ns`.
-    pub(crate) fn claim(
+    pub fn claim(
         name: &str,
         class: Option<&str>,
         volume_name: Option<&str>,
@@ -271,7 +274,7 @@ pub mod json {
         }
         if let Some(provisioner) = annotation {
             value["metadata"]["annotations"] =
-                json!({"volume.kubernetes.io/storage-provisioner": provisioner});
+                json!({crate::well_known::STORAGE_PROVISIONER: provisioner});
         }
         if let Some(size) = size {
             value["spec"]["resources"] = json!({"requests": {"storage": size}});

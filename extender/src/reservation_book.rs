@@ -32,7 +32,7 @@ pub const DEFAULT_TTL: Duration = Duration::from_secs(10 * 60);
 
 /// What one reserved volume is: a pod's demand entry (its journal form is `kind` plus the
 /// key's fields).
-pub use crate::pod_volumes::DemandKey as EntryKey;
+pub use controllers::pod_volumes::DemandKey as EntryKey;
 
 /// One reserved volume.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
