@@ -76,8 +76,8 @@ struct RotateCaArgs {
     #[arg(long)]
     self_signed_secret: Option<String>,
     /// Validity of the new CA.
-    #[arg(long, default_value = "87600h")]
-    self_signed_ca_validity: String,
+    #[arg(long, default_value = "87600h", value_parser = controllers::flags::duration)]
+    self_signed_ca_validity: std::time::Duration,
 }
 
 /// `pmem-csi extender`.
@@ -135,8 +135,7 @@ async fn main() -> anyhow::Result<()> {
         let serving = readiness.register("csi-server");
         let node = driver::NodeDriver::start(config, &mut registry)?;
         if !node.config().standalone {
-            let (qps, burst) = node.config().kube_api;
-            let client = controllers::rate_limit::client(qps, burst)
+            let client = controllers::rate_limit::client(node.config().kube_api)
                 .await
                 .context("connecting to the apiserver (use --standalone to run without it)")?;
             let publisher = controllers::capacity_publisher::CapacityPublisher::new(
@@ -151,8 +150,8 @@ async fn main() -> anyhow::Result<()> {
             );
             if let Some(period) = node.config().heartbeat_period {
                 let c = node.config();
-                let (qps, burst) = controllers::heartbeat::client_budget(period);
-                let own = controllers::rate_limit::client(qps, burst)
+                let budget = controllers::heartbeat::client_budget(period);
+                let own = controllers::rate_limit::client(budget)
                     .await
                     .context("connecting to the apiserver for the heartbeat")?;
                 work.spawn(
@@ -205,8 +204,8 @@ async fn main() -> anyhow::Result<()> {
     }
     if let Mode::Controller(c) = &cli.mode {
         let config = c.controller.validate()?;
-        let webhook = c.webhook.validate(&config.driver_name)?;
-        let namespace = config.namespace.clone();
+        let webhook = c.webhook.validate(config.driver_name())?;
+        let namespace = config.namespace().to_string();
         let mut process =
             controllers::ControllerProcess::start(config, &mut registry, &readiness).await?;
         if let Some(webhook) = webhook {
@@ -337,10 +336,7 @@ async fn start_webhook(
         process.reconciles(),
     );
     let metrics = controllers::bypass::BypassMetrics::register(registry);
-    let reporter = kube::runtime::events::Reporter {
-        controller: "pmem-csi-controller".into(),
-        instance: std::env::var("POD_NAME").ok(),
-    };
+    let reporter = process.config().reporter();
     process.add_concern(
         "bypass",
         true,
@@ -369,8 +365,7 @@ async fn start_webhook(
 
 /// `pmem-csi controller rotate-ca`.
 async fn rotate_ca(args: &RotateCaArgs) -> anyhow::Result<()> {
-    let validity = controllers::duration::parse_duration(&args.self_signed_ca_validity)
-        .map_err(|e| anyhow::anyhow!("--self-signed-ca-validity: {e}"))?;
+    let validity = args.self_signed_ca_validity;
     let prefix = controllers::well_known::name_prefix(&args.driver_name);
     let config = webhooks::webhook::SelfSignedConfig {
         secret: args

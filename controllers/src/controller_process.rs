@@ -19,153 +19,136 @@ use prometheus_client::registry::Registry;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::duration::parse_duration;
+use crate::flags::{ClientBudget, FlagError, KubeApiArgs, LivenessArgs, duration};
 use crate::leader::{LeaderMetrics, LeaderSettings};
 use crate::liveness_view::{LivenessSettings, LivenessView};
-use crate::node_selector::NodeSelector;
 use crate::readiness::{Readiness, ReadyFlag};
 use crate::reconcile_metrics::ReconcileMetrics;
 use crate::rescheduler::{Rescheduler, ReschedulerMetrics};
 use crate::stores::{self, Stores};
 
-/// Requests per second of the elections' own client: each Lease costs a GET and a PUT per
-/// retry period (2 s by default), and an instance runs two or three elections.
-const ELECTION_QPS: f64 = 5.0;
-/// Burst of the elections' own client.
-const ELECTION_BURST: u32 = 10;
+/// The elections' own client: each Lease costs a GET and a PUT per retry period (2 s by
+/// default), and an instance runs two or three elections.
+const ELECTION_BUDGET: ClientBudget = ClientBudget {
+    qps: 5.0,
+    burst: 10,
+};
 
 /// Flags of `pmem-csi controller`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ControllerArgs {
-    /// CSI driver name.
-    #[arg(
-        long,
-        env = "PMEM_CSI_DRIVER_NAME",
-        default_value = "pmem-csi.intel.com"
-    )]
-    pub driver_name: String,
-
-    /// Labels of the nodes meant to run the driver: `k=v[,k=v]` or a JSON map. Required.
-    #[arg(long)]
-    pub node_selector: Option<String>,
-
-    /// How long a node must look driverless before claims selected for it are rescheduled.
-    #[arg(long, default_value = "30s")]
-    pub reschedule_grace: String,
-
-    /// Also judge a node driverless when its heartbeat Lease has been expired this long.
-    #[arg(long)]
-    pub heartbeat_grace: Option<String>,
-
-    /// The driver's namespace (heartbeat Leases, Events, leader election Leases).
-    #[arg(long, env = "POD_NAMESPACE", default_value = "pmem-csi")]
-    pub namespace: String,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub liveness: LivenessArgs,
 
     /// Run the rescheduler and the capacity clean-up only while leading (one Lease each).
     #[arg(long)]
     pub leader_election: bool,
 
     /// How long a leader Lease is valid without renewal.
-    #[arg(long, default_value = "15s")]
-    pub leader_election_lease_duration: String,
+    #[arg(long, default_value = "15s", value_parser = duration)]
+    pub leader_election_lease_duration: Duration,
 
     /// How often the leader renews and standbys check.
-    #[arg(long, default_value = "2s")]
-    pub leader_election_retry_period: String,
+    #[arg(long, default_value = "2s", value_parser = duration)]
+    pub leader_election_retry_period: Duration,
 
-    /// This instance's identity in leader Leases (default: POD_NAME, else host name and pid).
-    #[arg(long, env = "POD_NAME")]
+    /// This instance's identity in leader Leases (default: --pod-name, else host name and pid).
+    #[arg(long)]
     pub leader_election_identity: Option<String>,
 
-    /// Requests per second to the apiserver (client-side token bucket; 0 disables).
-    #[arg(long, default_value_t = 20.0)]
-    pub kube_api_qps: f64,
+    /// This replica's pod name (the downward API's POD_NAME): the reporting instance of its
+    /// Events and the default leader identity.
+    #[arg(long, env = "POD_NAME")]
+    pub pod_name: Option<String>,
 
-    /// Requests the client may send at once before `--kube-api-qps` applies.
-    #[arg(long, default_value_t = 40)]
-    pub kube_api_burst: u32,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub kube_api: KubeApiArgs,
+}
+
+/// Leader election timing and identity.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeaderElection {
+    /// How long a Lease is valid without renewal.
+    pub lease_duration: Duration,
+    /// How often the leader renews and standbys check.
+    pub retry_period: Duration,
+    /// This instance's holder identity.
+    pub identity: String,
 }
 
 /// Validated controller configuration.
 #[derive(Clone, Debug)]
 pub struct ControllerConfig {
-    /// Driver name.
-    pub driver_name: String,
-    /// Node selector.
-    pub node_selector: NodeSelector,
-    /// Reschedule grace.
-    pub reschedule_grace: Duration,
-    /// Heartbeat grace, if heartbeats count.
-    pub heartbeat_grace: Option<Duration>,
-    /// Driver namespace.
-    pub namespace: String,
-    /// Leader election timing and identity, when enabled.
-    pub leader_election: Option<(Duration, Duration, String)>,
-    /// Client rate limit: requests per second and burst.
-    pub kube_api: (f64, u32),
+    /// Driver, node selector, graces and namespace of the liveness judgement.
+    pub liveness: LivenessSettings,
+    /// Leader election, when enabled.
+    pub leader_election: Option<LeaderElection>,
+    /// The process client's budget.
+    pub kube_api: ClientBudget,
+    /// This replica's pod name, when known.
+    pub pod_name: Option<String>,
 }
 
-/// A flag that does not validate.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("--{flag}: {reason}")]
-pub struct ControllerConfigError {
-    /// The flag.
-    pub flag: &'static str,
-    /// Why.
-    pub reason: String,
+impl ControllerConfig {
+    /// The driver name.
+    pub fn driver_name(&self) -> &str {
+        &self.liveness.driver
+    }
+
+    /// The driver namespace.
+    pub fn namespace(&self) -> &str {
+        &self.liveness.namespace
+    }
+
+    /// Who writes this replica's Events.
+    pub fn reporter(&self) -> Reporter {
+        Reporter {
+            controller: "pmem-csi-controller".into(),
+            instance: self.pod_name.clone(),
+        }
+    }
 }
 
 impl ControllerArgs {
     /// Validates the flags.
-    pub fn validate(&self) -> Result<ControllerConfig, ControllerConfigError> {
-        let err = |flag, reason: String| ControllerConfigError { flag, reason };
-        let selector = self.node_selector.as_deref().ok_or_else(|| {
-            err(
-                "node-selector",
-                "required (for example storage=pmem)".into(),
-            )
-        })?;
-        let node_selector =
-            NodeSelector::parse(selector).map_err(|e| err("node-selector", e.reason))?;
-        let reschedule_grace =
-            parse_duration(&self.reschedule_grace).map_err(|e| err("reschedule-grace", e))?;
-        let heartbeat_grace = self
-            .heartbeat_grace
-            .as_deref()
-            .map(parse_duration)
-            .transpose()
-            .map_err(|e| err("heartbeat-grace", e))?;
-        if self.namespace.is_empty() {
-            return Err(err("namespace", "must not be empty".into()));
-        }
+    pub fn validate(&self) -> Result<ControllerConfig, FlagError> {
+        let liveness = self.liveness.settings()?;
         let leader_election = if self.leader_election {
-            let duration = parse_duration(&self.leader_election_lease_duration)
-                .map_err(|e| err("leader-election-lease-duration", e))?;
-            let retry = parse_duration(&self.leader_election_retry_period)
-                .map_err(|e| err("leader-election-retry-period", e))?;
+            let lease_duration = self.leader_election_lease_duration;
+            let retry_period = self.leader_election_retry_period;
             // A leader renews at least once before its renew deadline.
-            if retry.is_zero() || retry >= crate::leader::renew_deadline(duration) {
-                return Err(err(
+            if retry_period.is_zero()
+                || retry_period >= crate::leader::renew_deadline(lease_duration)
+            {
+                return Err(FlagError::new(
                     "leader-election-retry-period",
-                    "must be above zero and below two thirds of --leader-election-lease-duration (the renew deadline)".into(),
+                    "must be above zero and below two thirds of --leader-election-lease-duration (the renew deadline)",
                 ));
             }
-            let identity = self.leader_election_identity.clone().unwrap_or_else(|| {
-                let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-                format!("{}-{}", host.trim(), std::process::id())
-            });
-            Some((duration, retry, identity))
+            let identity = self
+                .leader_election_identity
+                .clone()
+                .or_else(|| self.pod_name.clone())
+                .unwrap_or_else(|| {
+                    let host =
+                        std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+                    format!("{}-{}", host.trim(), std::process::id())
+                });
+            Some(LeaderElection {
+                lease_duration,
+                retry_period,
+                identity,
+            })
         } else {
             None
         };
         Ok(ControllerConfig {
-            driver_name: self.driver_name.clone(),
-            node_selector,
-            reschedule_grace,
-            heartbeat_grace,
-            namespace: self.namespace.clone(),
+            liveness,
             leader_election,
-            kube_api: (self.kube_api_qps, self.kube_api_burst),
+            kube_api: self.kube_api.budget(),
+            pod_name: self.pod_name.clone(),
         })
     }
 }
@@ -204,10 +187,10 @@ impl ControllerProcess {
         registry: &mut Registry,
         readiness: &Readiness,
     ) -> Result<Self, ControllerProcessError> {
-        let client = crate::rate_limit::client(config.kube_api.0, config.kube_api.1).await?;
+        let client = crate::rate_limit::client(config.kube_api).await?;
         // Elections get a client of their own (own connections, own token bucket), so that a
         // burst of webhook lookups or reconciles never delays a renewal past its deadline.
-        let election_client = crate::rate_limit::client(ELECTION_QPS, ELECTION_BURST).await?;
+        let election_client = crate::rate_limit::client(ELECTION_BUDGET).await?;
         let mut tasks = JoinSet::new();
         let (claims, claim_events) = stores::shared(
             Api::<PersistentVolumeClaim>::all(client.clone()),
@@ -232,7 +215,7 @@ impl ControllerProcess {
                 &mut tasks,
             ),
             leases: stores::cache(
-                Api::<Lease>::namespaced(client.clone(), &config.namespace),
+                Api::<Lease>::namespaced(client.clone(), config.namespace()),
                 watcher::Config::default(),
                 &mut tasks,
             ),
@@ -292,38 +275,26 @@ impl ControllerProcess {
         }
         self.synced.set(true);
         tracing::info!("caches synced");
-        let liveness = LivenessView::new(
-            LivenessSettings {
-                driver: self.config.driver_name.clone(),
-                selector: self.config.node_selector.clone(),
-                grace: self.config.reschedule_grace,
-                heartbeat: self.config.heartbeat_grace,
-                namespace: self.config.namespace.clone(),
-            },
-            self.stores.node_stores(),
-        );
+        let liveness = LivenessView::new(self.config.liveness.clone(), self.stores.node_stores());
         self.tasks.spawn(liveness.clone().run(shutdown.clone()));
-        let reporter = Reporter {
-            controller: "pmem-csi-controller".into(),
-            instance: std::env::var("POD_NAME").ok(),
-        };
+        let reporter = self.config.reporter();
         // Leader-only concerns; without leader election every instance leads.
         let leading =
             |concern: &str, tasks: &mut JoinSet<()>| -> tokio::sync::watch::Receiver<bool> {
                 match &self.config.leader_election {
                     None => tokio::sync::watch::channel(true).1,
-                    Some((duration, retry, identity)) => {
+                    Some(settings) => {
                         let (rx, election) = crate::leader::elect(
                             self.election_client.clone(),
                             LeaderSettings {
                                 name: crate::well_known::leader_lease_name(
-                                    &self.config.driver_name,
+                                    self.config.driver_name(),
                                     concern,
                                 ),
-                                namespace: self.config.namespace.clone(),
-                                identity: identity.clone(),
-                                lease_duration: *duration,
-                                retry_period: *retry,
+                                namespace: self.config.namespace().to_string(),
+                                identity: settings.identity.clone(),
+                                lease_duration: settings.lease_duration,
+                                retry_period: settings.retry_period,
                                 wall_clock_skew: Default::default(),
                             },
                             self.leader_metrics.clone(),
@@ -432,82 +403,66 @@ impl ControllerProcess {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
 
-    fn args() -> ControllerArgs {
-        ControllerArgs {
-            driver_name: "pmem-csi.intel.com".into(),
-            node_selector: Some("storage=pmem".into()),
-            reschedule_grace: "30s".into(),
-            heartbeat_grace: None,
-            namespace: "pmem-csi".into(),
-            leader_election: false,
-            leader_election_lease_duration: "15s".into(),
-            leader_election_retry_period: "2s".into(),
-            leader_election_identity: None,
-            kube_api_qps: 20.0,
-            kube_api_burst: 40,
-        }
+    #[derive(Parser, Debug)]
+    struct Cli {
+        #[command(flatten)]
+        args: ControllerArgs,
+    }
+
+    fn args(extra: &[&str]) -> ControllerArgs {
+        let base = [
+            "test",
+            "--node-selector",
+            "storage=pmem",
+            "--pod-name",
+            "pod-1",
+        ];
+        Cli::try_parse_from(base.iter().chain(extra))
+            .expect("flags parse")
+            .args
     }
 
     #[test]
     fn validate_table() {
-        type Edit = fn(&mut ControllerArgs);
-        let cases: [(&str, Edit, Option<&str>); 8] = [
-            ("valid", |_| {}, None),
+        let cases: [(&str, &[&str], Option<&str>); 4] = [
+            ("valid", &[], None),
             (
                 "retry below the renew deadline",
-                |a| {
-                    a.leader_election = true;
-                    a.leader_election_retry_period = "9s".into();
-                },
+                &["--leader-election", "--leader-election-retry-period", "9s"],
                 None,
             ),
             (
                 "retry at the renew deadline",
-                |a| {
-                    a.leader_election = true;
-                    a.leader_election_retry_period = "10s".into();
-                },
+                &["--leader-election", "--leader-election-retry-period", "10s"],
                 Some("leader-election-retry-period"),
             ),
-            (
-                "no selector",
-                |a| a.node_selector = None,
-                Some("node-selector"),
-            ),
-            (
-                "empty selector",
-                |a| a.node_selector = Some("".into()),
-                Some("node-selector"),
-            ),
-            (
-                "bad grace",
-                |a| a.reschedule_grace = "soon".into(),
-                Some("reschedule-grace"),
-            ),
-            (
-                "bad heartbeat",
-                |a| a.heartbeat_grace = Some("1x".into()),
-                Some("heartbeat-grace"),
-            ),
-            (
-                "empty namespace",
-                |a| a.namespace = String::new(),
-                Some("namespace"),
-            ),
+            ("empty namespace", &["--namespace", ""], Some("namespace")),
         ];
-        for (name, edit, flag) in cases {
-            let mut a = args();
-            edit(&mut a);
-            match (a.validate(), flag) {
+        for (name, extra, flag) in cases {
+            match (args(extra).validate(), flag) {
                 (Ok(_), None) => {}
                 (Err(e), Some(flag)) => assert_eq!(e.flag, flag, "{name}"),
                 (got, want) => panic!("{name}: got {got:?}, want error on {want:?}"),
             }
         }
+        let config = args(&["--leader-election"]).validate().expect("valid");
+        assert_eq!(config.liveness.grace, Duration::from_secs(30));
         assert_eq!(
-            args().validate().expect("valid").reschedule_grace,
-            Duration::from_secs(30)
+            config.leader_election.as_ref().map(|e| e.identity.as_str()),
+            Some("pod-1"),
+            "the pod name is the default identity"
+        );
+        assert_eq!(config.reporter().instance.as_deref(), Some("pod-1"));
+        let own = args(&["--leader-election", "--leader-election-identity", "me"]);
+        assert_eq!(
+            own.validate()
+                .expect("valid")
+                .leader_election
+                .map(|e| e.identity)
+                .as_deref(),
+            Some("me")
         );
     }
 }

@@ -12,18 +12,21 @@ use kube::Api;
 use kube::api::PostParams;
 use tokio_util::sync::CancellationToken;
 
+use crate::flags::ClientBudget;
 use crate::well_known::heartbeat_lease_name;
 
 /// A Lease is valid for this many renew periods, so one late renewal does not expire it.
 pub const PERIODS_PER_LEASE: u32 = 3;
 
-/// Requests per second and burst of the heartbeat's own client for renewals every `period`.
+/// The budget of the heartbeat's own client for renewals every `period`.
 /// It has its own, so that a node busy with the publisher and the sweep (which share the
 /// node's `--kube-api-qps`) never queues a renewal behind them. A renewal is two requests (read,
 /// then write); twice that per period leaves room for a retry.
-pub fn client_budget(period: Duration) -> (f64, u32) {
-    let per_second = 4.0 / period.as_secs_f64().max(0.001);
-    (per_second, 4)
+pub fn client_budget(period: Duration) -> ClientBudget {
+    ClientBudget {
+        qps: 4.0 / period.as_secs_f64().max(0.001),
+        burst: 4,
+    }
 }
 
 /// The Lease object for `node` renewed now.
@@ -122,9 +125,9 @@ mod tests {
     #[test]
     fn client_budget_table() {
         for (period, qps) in [(10, 0.4), (1, 4.0), (2, 2.0)] {
-            let (got, burst) = client_budget(Duration::from_secs(period));
-            assert!((got - qps).abs() < 1e-9, "{period}s: {got}");
-            assert_eq!(burst, 4);
+            let got = client_budget(Duration::from_secs(period));
+            assert!((got.qps - qps).abs() < 1e-9, "{period}s: {got:?}");
+            assert_eq!(got.burst, 4);
         }
     }
 

@@ -9,6 +9,7 @@ pub mod capacity_source;
 pub mod controller_process;
 pub mod duration;
 pub mod error_backoff;
+pub mod flags;
 pub mod heartbeat;
 pub mod leader;
 pub mod liveness;

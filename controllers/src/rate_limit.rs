@@ -2,6 +2,7 @@
 //! client-go's token bucket does: kube-rs has none, and a node driver per node multiplies every
 //! request rate by the cluster size.
 
+use crate::flags::ClientBudget;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -124,14 +125,15 @@ where
     }
 }
 
-/// A kube client for the default configuration (in-cluster or `KUBECONFIG`), limited to `qps`
-/// requests per second with bursts of `burst`.
-pub async fn client(qps: f64, burst: u32) -> Result<kube::Client, kube::Error> {
+/// A kube client for the default configuration (in-cluster or `KUBECONFIG`) within `budget`.
+pub async fn client(budget: ClientBudget) -> Result<kube::Client, kube::Error> {
     let config = kube::Config::infer()
         .await
         .map_err(kube::Error::InferConfig)?;
     let builder = kube::client::ClientBuilder::try_from(config)?;
-    Ok(builder.with_layer(&RateLimitLayer::new(qps, burst)).build())
+    Ok(builder
+        .with_layer(&RateLimitLayer::new(budget.qps, budget.burst))
+        .build())
 }
 
 #[cfg(test)]

@@ -4,7 +4,9 @@ use std::path::PathBuf;
 
 use crate::backend::DeviceMode;
 use crate::filesystem::FsType;
-use controllers::quantity;
+use std::time::Duration;
+
+use controllers::flags::{self, ClientBudget};
 
 /// Flags of `pmem-csi node`.
 #[derive(clap::Args, Debug, Clone)]
@@ -38,8 +40,8 @@ pub struct NodeArgs {
     pub emulated_dir: Option<PathBuf>,
 
     /// Size of the emulated (or fake) region, a quantity such as `4Gi`.
-    #[arg(long)]
-    pub emulated_size: Option<String>,
+    #[arg(long, value_parser = flags::bytes)]
+    pub emulated_size: Option<u64>,
 
     /// Percentage of each PMEM region the `lvm` mode puts in its volume group (0 to 100;
     /// default 100). A restart with a larger value adds the difference.
@@ -47,8 +49,8 @@ pub struct NodeArgs {
     pub pmem_percentage: Option<u8>,
 
     /// Size of a volume created without a capacity range, a quantity.
-    #[arg(long, default_value = "1Gi")]
-    pub default_volume_size: String,
+    #[arg(long, default_value = "1Gi", value_parser = flags::bytes)]
+    pub default_volume_size: u64,
 
     /// File system when a volume capability names none.
     #[arg(long, value_enum, default_value_t = FsType::Ext4)]
@@ -63,17 +65,17 @@ pub struct NodeArgs {
     pub namespace: String,
 
     /// How often the heartbeat Lease is renewed (`0s` disables the heartbeat).
-    #[arg(long, default_value = "10s")]
-    pub heartbeat_period: String,
+    #[arg(long, default_value = "10s", value_parser = flags::duration)]
+    pub heartbeat_period: Duration,
 
     /// Age after which a volume whose claim went elsewhere is deleted by the orphan sweep.
-    #[arg(long, default_value = "10m")]
-    pub orphan_grace: String,
+    #[arg(long, default_value = "10m", value_parser = flags::duration)]
+    pub orphan_grace: Duration,
 
     /// How long one run of lvm, ndctl, mkfs, blkid or losetup may take before it is killed and
     /// its call fails with DeadlineExceeded (a hung tool would hold the node's backend lock).
-    #[arg(long, default_value = "2m")]
-    pub tool_timeout: String,
+    #[arg(long, default_value = "2m", value_parser = flags::duration)]
+    pub tool_timeout: Duration,
 
     /// Requests per second to the apiserver (client-side token bucket; 0 disables). Every
     /// node runs a driver, so this multiplies by the cluster size.
@@ -116,8 +118,8 @@ pub struct NodeConfig {
     pub heartbeat_period: Option<std::time::Duration>,
     /// Orphan sweep grace.
     pub orphan_grace: std::time::Duration,
-    /// Client rate limit: requests per second and burst.
-    pub kube_api: (f64, u32),
+    /// The client's budget.
+    pub kube_api: ClientBudget,
     /// Timeout of one tool run.
     pub tool_timeout: std::time::Duration,
 }
@@ -164,12 +166,9 @@ impl NodeArgs {
         let device_mode = self
             .device_mode
             .ok_or_else(|| invalid("device-mode", "required (emulated, fake, lvm or direct)"))?;
-        let size = |flag: &'static str, value: &str| {
-            quantity::parse_bytes(value).map_err(|e| invalid(flag, e.to_string()))
-        };
         let simulated = matches!(device_mode, DeviceMode::Emulated | DeviceMode::Fake);
-        let emulated_size = match (&self.emulated_size, simulated) {
-            (Some(s), true) => size("emulated-size", s)?,
+        let emulated_size = match (self.emulated_size, simulated) {
+            (Some(size), true) => size,
             (None, true) => {
                 return Err(invalid(
                     "emulated-size",
@@ -219,7 +218,7 @@ impl NodeArgs {
             }
             (None, _) => 100,
         };
-        let default_volume_size = size("default-volume-size", &self.default_volume_size)?;
+        let default_volume_size = self.default_volume_size;
         if default_volume_size == 0 {
             return Err(invalid("default-volume-size", "must be larger than 0"));
         }
@@ -239,21 +238,17 @@ impl NodeArgs {
             default_fs_type: self.default_fs_type,
             standalone: self.standalone,
             namespace: self.namespace.clone(),
-            heartbeat_period: {
-                let d = controllers::duration::parse_duration(&self.heartbeat_period)
-                    .map_err(|e| invalid("heartbeat-period", e))?;
-                (!d.is_zero()).then_some(d)
+            heartbeat_period: (!self.heartbeat_period.is_zero()).then_some(self.heartbeat_period),
+            orphan_grace: self.orphan_grace,
+            kube_api: ClientBudget {
+                qps: self.kube_api_qps,
+                burst: self.kube_api_burst,
             },
-            orphan_grace: controllers::duration::parse_duration(&self.orphan_grace)
-                .map_err(|e| invalid("orphan-grace", e))?,
-            kube_api: (self.kube_api_qps, self.kube_api_burst),
             tool_timeout: {
-                let d = controllers::duration::parse_duration(&self.tool_timeout)
-                    .map_err(|e| invalid("tool-timeout", e))?;
-                if d.is_zero() {
+                if self.tool_timeout.is_zero() {
                     return Err(invalid("tool-timeout", "must be above zero"));
                 }
-                d
+                self.tool_timeout
             },
         })
     }
@@ -271,24 +266,24 @@ mod tests {
             device_mode: Some(DeviceMode::Emulated),
             state_dir: None,
             emulated_dir: Some("/tmp/pmem".into()),
-            emulated_size: Some("1Gi".into()),
+            emulated_size: Some(1 << 30),
             pmem_percentage: None,
-            default_volume_size: "64Mi".into(),
+            default_volume_size: 64 << 20,
             default_fs_type: FsType::Ext4,
             standalone: true,
             namespace: "pmem-csi".into(),
-            heartbeat_period: "10s".into(),
-            orphan_grace: "10m".into(),
+            heartbeat_period: Duration::from_secs(10),
+            orphan_grace: Duration::from_secs(600),
             kube_api_qps: 5.0,
             kube_api_burst: 10,
-            tool_timeout: "2m".into(),
+            tool_timeout: Duration::from_secs(120),
         }
     }
 
     #[test]
     fn validate_table() {
         type Edit = fn(&mut NodeArgs);
-        let cases: [(&str, Edit, Option<&str>); 18] = [
+        let cases: [(&str, Edit, Option<&str>); 16] = [
             ("valid", |_| {}, None),
             (
                 "tcp endpoint",
@@ -303,11 +298,6 @@ mod tests {
             ("no node", |a| a.node_id = None, Some("node-id")),
             ("no mode", |a| a.device_mode = None, Some("device-mode")),
             ("no size", |a| a.emulated_size = None, Some("emulated-size")),
-            (
-                "bad size",
-                |a| a.emulated_size = Some("lots".into()),
-                Some("emulated-size"),
-            ),
             (
                 "emulated without dir",
                 |a| a.emulated_dir = None,
@@ -356,12 +346,7 @@ mod tests {
             ),
             (
                 "zero tool timeout",
-                |a| a.tool_timeout = "0s".into(),
-                Some("tool-timeout"),
-            ),
-            (
-                "tool timeout without unit",
-                |a| a.tool_timeout = "30".into(),
+                |a| a.tool_timeout = Duration::ZERO,
                 Some("tool-timeout"),
             ),
             (
@@ -381,7 +366,7 @@ mod tests {
             ),
             (
                 "zero default size",
-                |a| a.default_volume_size = "0".into(),
+                |a| a.default_volume_size = 0,
                 Some("default-volume-size"),
             ),
         ];
@@ -406,5 +391,26 @@ mod tests {
             PathBuf::from("/var/lib/pmem-csi.intel.com")
         );
         assert_eq!(config.socket, PathBuf::from("/tmp/x.sock"));
+    }
+
+    #[test]
+    fn malformed_values_are_refused_naming_their_flag() {
+        use clap::Parser;
+        #[derive(Parser, Debug)]
+        struct Cli {
+            #[command(flatten)]
+            args: NodeArgs,
+        }
+        for (flag, value) in [
+            ("--emulated-size", "lots"),
+            ("--tool-timeout", "30"),
+            ("--heartbeat-period", "soon"),
+            ("--default-volume-size", "big"),
+        ] {
+            let message = Cli::try_parse_from(["test", flag, value])
+                .expect_err("refused")
+                .to_string();
+            assert!(message.contains(flag), "{flag} {value}: {message}");
+        }
     }
 }

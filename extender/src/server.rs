@@ -27,9 +27,8 @@ use serde::de::DeserializeOwned;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use controllers::duration::parse_duration;
+use controllers::flags::{self, ClientBudget, FlagError, KubeApiArgs, LivenessArgs};
 use controllers::liveness_view::{LivenessSettings, LivenessView};
-use controllers::node_selector::NodeSelector;
 use controllers::readiness::{Readiness, ReadyFlag};
 use controllers::stores::NodeStores;
 
@@ -51,29 +50,9 @@ pub struct ExtenderOptions {
     #[arg(long, default_value = "127.0.0.1:10013")]
     pub extender_address: SocketAddr,
 
-    /// CSI driver name.
-    #[arg(
-        long,
-        env = "PMEM_CSI_DRIVER_NAME",
-        default_value = "pmem-csi.intel.com"
-    )]
-    pub driver_name: String,
-
-    /// Labels of the nodes meant to run the driver: `k=v[,k=v]` or a JSON map. Required.
-    #[arg(long)]
-    pub node_selector: Option<String>,
-
-    /// How long a node must look driverless before it is filtered out as such.
-    #[arg(long, default_value = "30s")]
-    pub reschedule_grace: String,
-
-    /// Also judge a node driverless when its heartbeat Lease has been expired this long.
-    #[arg(long)]
-    pub heartbeat_grace: Option<String>,
-
-    /// The driver's namespace (heartbeat Leases).
-    #[arg(long, env = "POD_NAMESPACE", default_value = "pmem-csi")]
-    pub namespace: String,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub liveness: LivenessArgs,
 
     /// reserve-all: every node where the pod fits, reserved on each; pin: one node, reserved;
     /// scheduler: every node where it fits, no reservation (racy under bursts).
@@ -85,12 +64,12 @@ pub struct ExtenderOptions {
     pub score: ScorePolicy,
 
     /// How long a reservation lives without its volumes showing up.
-    #[arg(long, default_value = "10m")]
-    pub reservation_ttl: String,
+    #[arg(long, default_value = "10m", value_parser = flags::duration)]
+    pub reservation_ttl: Duration,
 
     /// Size assumed for a claim or inline volume that states none (the nodes' own default).
-    #[arg(long, default_value = "1Gi")]
-    pub default_volume_size: String,
+    #[arg(long, default_value = "1Gi", value_parser = flags::bytes)]
+    pub default_volume_size: u64,
 
     /// Where reservations are journaled, so that a restart beside a running kube-scheduler
     /// holds them again (a file in an emptyDir). Without it a restart forgets them: pods being
@@ -98,13 +77,9 @@ pub struct ExtenderOptions {
     #[arg(long)]
     pub reservations_file: Option<std::path::PathBuf>,
 
-    /// Requests per second to the apiserver (client-side token bucket; 0 disables).
-    #[arg(long, default_value_t = 20.0)]
-    pub kube_api_qps: f64,
-
-    /// Requests the client may send at once before `--kube-api-qps` applies.
-    #[arg(long, default_value_t = 40)]
-    pub kube_api_burst: u32,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub kube_api: KubeApiArgs,
 }
 
 /// Validated extender configuration.
@@ -122,28 +97,17 @@ pub struct ExtenderConfig {
     pub reservation_ttl: Duration,
     /// Default volume size in bytes.
     pub default_volume_size: u64,
-    /// Client rate limit.
-    pub kube_api: (f64, u32),
+    /// The client's budget.
+    pub kube_api: ClientBudget,
     /// The reservation journal, if any.
     pub reservations_file: Option<std::path::PathBuf>,
 }
 
-/// A flag that does not validate.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("--{flag}: {reason}")]
-pub struct ExtenderConfigError {
-    /// The flag.
-    pub flag: &'static str,
-    /// Why.
-    pub reason: String,
-}
-
 impl ExtenderOptions {
     /// Validates the flags.
-    pub fn validate(&self) -> Result<ExtenderConfig, ExtenderConfigError> {
-        let err = |flag, reason: String| ExtenderConfigError { flag, reason };
+    pub fn validate(&self) -> Result<ExtenderConfig, FlagError> {
         if !self.extender_address.ip().is_loopback() {
-            return Err(err(
+            return Err(FlagError::new(
                 "extender-address",
                 format!(
                     "{} is not a loopback address; the extender speaks plain HTTP and only \
@@ -152,48 +116,21 @@ impl ExtenderOptions {
                 ),
             ));
         }
-        let selector = self.node_selector.as_deref().ok_or_else(|| {
-            err(
-                "node-selector",
-                "required (for example storage=pmem)".into(),
-            )
-        })?;
-        let selector = NodeSelector::parse(selector).map_err(|e| err("node-selector", e.reason))?;
-        let grace =
-            parse_duration(&self.reschedule_grace).map_err(|e| err("reschedule-grace", e))?;
-        let heartbeat = self
-            .heartbeat_grace
-            .as_deref()
-            .map(parse_duration)
-            .transpose()
-            .map_err(|e| err("heartbeat-grace", e))?;
-        if self.namespace.is_empty() {
-            return Err(err("namespace", "must not be empty".into()));
+        let liveness = self.liveness.settings()?;
+        if self.reservation_ttl.is_zero() {
+            return Err(FlagError::new("reservation-ttl", "must be above zero"));
         }
-        let reservation_ttl =
-            parse_duration(&self.reservation_ttl).map_err(|e| err("reservation-ttl", e))?;
-        if reservation_ttl.is_zero() {
-            return Err(err("reservation-ttl", "must be above zero".into()));
-        }
-        let default_volume_size = controllers::quantity::parse_bytes(&self.default_volume_size)
-            .map_err(|e| err("default-volume-size", e.to_string()))?;
-        if default_volume_size == 0 {
-            return Err(err("default-volume-size", "must be above zero".into()));
+        if self.default_volume_size == 0 {
+            return Err(FlagError::new("default-volume-size", "must be above zero"));
         }
         Ok(ExtenderConfig {
             address: self.extender_address,
-            liveness: LivenessSettings {
-                driver: self.driver_name.clone(),
-                selector,
-                grace,
-                heartbeat,
-                namespace: self.namespace.clone(),
-            },
+            liveness,
             placement: self.placement,
             score: self.score,
-            reservation_ttl,
-            default_volume_size,
-            kube_api: (self.kube_api_qps, self.kube_api_burst),
+            reservation_ttl: self.reservation_ttl,
+            default_volume_size: self.default_volume_size,
+            kube_api: self.kube_api.budget(),
             reservations_file: self.reservations_file.clone(),
         })
     }
@@ -255,7 +192,7 @@ impl Extender {
         registry: &mut Registry,
         readiness: &Readiness,
     ) -> Result<Self, ExtenderError> {
-        let client = controllers::rate_limit::client(config.kube_api.0, config.kube_api.1).await?;
+        let client = controllers::rate_limit::client(config.kube_api).await?;
         let (journal, replayed) = match &config.reservations_file {
             Some(path) => {
                 let (journal, replayed) = ReservationJournal::open(path)?;
@@ -753,70 +690,49 @@ where
 mod tests {
     use super::*;
 
-    fn options() -> ExtenderOptions {
-        ExtenderOptions {
-            extender_address: SocketAddr::from(([127, 0, 0, 1], 10013)),
-            driver_name: "pmem-csi.intel.com".into(),
-            node_selector: Some("storage=pmem".into()),
-            reschedule_grace: "30s".into(),
-            heartbeat_grace: None,
-            namespace: "pmem-csi".into(),
-            placement: Placement::ReserveAll,
-            score: ScorePolicy::MostFree,
-            reservation_ttl: "10m".into(),
-            default_volume_size: "1Gi".into(),
-            kube_api_qps: 20.0,
-            kube_api_burst: 40,
-            reservations_file: None,
-        }
+    #[derive(clap::Parser, Debug)]
+    struct Cli {
+        #[command(flatten)]
+        options: ExtenderOptions,
+    }
+
+    fn options(extra: &[&str]) -> Result<ExtenderOptions, clap::Error> {
+        use clap::Parser;
+        let base = ["test", "--node-selector", "storage=pmem"];
+        Cli::try_parse_from(base.iter().chain(extra)).map(|cli| cli.options)
     }
 
     #[test]
     fn validate_table() {
-        type Edit = fn(&mut ExtenderOptions);
-        let cases: [(&str, Edit, Option<&str>); 7] = [
-            ("valid", |_| {}, None),
+        let cases: [(&str, &[&str], Option<&str>); 4] = [
+            ("valid", &[], None),
             (
                 "not loopback",
-                |o| o.extender_address = SocketAddr::from(([0, 0, 0, 0], 1)),
+                &["--extender-address", "0.0.0.0:1"],
                 Some("extender-address"),
             ),
             (
-                "no selector",
-                |o| o.node_selector = None,
-                Some("node-selector"),
-            ),
-            (
-                "bad grace",
-                |o| o.reschedule_grace = "x".into(),
-                Some("reschedule-grace"),
-            ),
-            (
                 "zero ttl",
-                |o| o.reservation_ttl = "0s".into(),
+                &["--reservation-ttl", "0s"],
                 Some("reservation-ttl"),
             ),
-            (
-                "bad size",
-                |o| o.default_volume_size = "big".into(),
-                Some("default-volume-size"),
-            ),
-            (
-                "empty namespace",
-                |o| o.namespace = String::new(),
-                Some("namespace"),
-            ),
+            ("empty namespace", &["--namespace", ""], Some("namespace")),
         ];
-        for (name, edit, flag) in cases {
-            let mut o = options();
-            edit(&mut o);
-            match (o.validate(), flag) {
+        for (name, extra, flag) in cases {
+            match (options(extra).expect("parses").validate(), flag) {
                 (Ok(_), None) => {}
                 (Err(e), Some(flag)) => assert_eq!(e.flag, flag, "{name}"),
                 (got, want) => panic!("{name}: got {got:?}, want error on {want:?}"),
             }
         }
-        let config = options().validate().expect("valid");
+        for (extra, flag) in [
+            (&["--reschedule-grace", "x"][..], "--reschedule-grace"),
+            (&["--default-volume-size", "big"], "--default-volume-size"),
+        ] {
+            let message = options(extra).expect_err("refused").to_string();
+            assert!(message.contains(flag), "{extra:?}: {message}");
+        }
+        let config = options(&[]).expect("parses").validate().expect("valid");
         assert_eq!(
             (config.reservation_ttl, config.default_volume_size),
             (Duration::from_secs(600), 1 << 30)

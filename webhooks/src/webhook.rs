@@ -25,7 +25,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
-use controllers::duration::parse_duration;
+use controllers::flags::{self, FlagError};
 use controllers::stores::Stores;
 
 use crate::admission;
@@ -90,16 +90,16 @@ pub struct WebhookOptions {
     pub webhook_configuration: Option<String>,
 
     /// Validity of self-signed serving certificates; re-issued at 2/3 (tests shorten it).
-    #[arg(long, default_value = "2160h", hide = true)]
-    pub self_signed_leaf_validity: String,
+    #[arg(long, default_value = "2160h", hide = true, value_parser = flags::duration)]
+    pub self_signed_leaf_validity: Duration,
 
     /// Validity of the self-signed CA (tests shorten it).
-    #[arg(long, default_value = "87600h", hide = true)]
-    pub self_signed_ca_validity: String,
+    #[arg(long, default_value = "87600h", hide = true, value_parser = flags::duration)]
+    pub self_signed_ca_validity: Duration,
 
     /// How often certificate files are checked for changes.
-    #[arg(long, default_value = "1s", hide = true)]
-    pub tls_reload_interval: String,
+    #[arg(long, default_value = "1s", hide = true, value_parser = flags::duration)]
+    pub tls_reload_interval: Duration,
 }
 
 /// Where the serving certificate comes from.
@@ -141,23 +141,10 @@ pub struct WebhookConfig {
     pub reload_interval: Duration,
 }
 
-/// A webhook flag that does not validate.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("--{flag}: {reason}")]
-pub struct WebhookConfigError {
-    /// The flag.
-    pub flag: &'static str,
-    /// Why.
-    pub reason: String,
-}
-
 impl WebhookOptions {
     /// Validates the flags for `driver`; `None` when the webhook is not enabled.
-    pub fn validate(&self, driver: &str) -> Result<Option<WebhookConfig>, WebhookConfigError> {
-        let err = |flag, reason: &str| WebhookConfigError {
-            flag,
-            reason: reason.to_string(),
-        };
+    pub fn validate(&self, driver: &str) -> Result<Option<WebhookConfig>, FlagError> {
+        let err = |flag, reason: &str| FlagError::new(flag, reason);
         let Some(address) = self.webhook_address else {
             let given = [
                 ("scheduler-names", !self.scheduler_names.is_empty()),
@@ -184,21 +171,17 @@ impl WebhookOptions {
                 key: key.clone(),
             }),
             (None, None, true) => {
-                let duration = |flag, text: &str| {
-                    parse_duration(text)
-                        .map_err(|e| err(flag, &e))
-                        .and_then(|d| {
-                            if d.is_zero() {
-                                Err(err(flag, "must be above zero"))
-                            } else {
-                                Ok(d)
-                            }
-                        })
+                let above_zero = |flag, d: Duration| {
+                    if d.is_zero() {
+                        Err(err(flag, "must be above zero"))
+                    } else {
+                        Ok(d)
+                    }
                 };
                 let leaf_validity =
-                    duration("self-signed-leaf-validity", &self.self_signed_leaf_validity)?;
+                    above_zero("self-signed-leaf-validity", self.self_signed_leaf_validity)?;
                 let ca_validity =
-                    duration("self-signed-ca-validity", &self.self_signed_ca_validity)?;
+                    above_zero("self-signed-ca-validity", self.self_signed_ca_validity)?;
                 if ca_validity < leaf_validity {
                     return Err(err(
                         "self-signed-ca-validity",
@@ -257,8 +240,7 @@ impl WebhookOptions {
                 }
             }
         }
-        let reload_interval = parse_duration(&self.tls_reload_interval)
-            .map_err(|e| err("tls-reload-interval", &e))?;
+        let reload_interval = self.tls_reload_interval;
         let scheduler_names = if self.scheduler_names.is_empty() {
             vec![mutation::DEFAULT_SCHEDULER.to_string()]
         } else {
@@ -621,9 +603,9 @@ mod tests {
             webhook_address: Some(SocketAddr::from(([127, 0, 0, 1], 8443))),
             tls_cert_file: Some("/c".into()),
             tls_key_file: Some("/k".into()),
-            self_signed_leaf_validity: "2160h".into(),
-            self_signed_ca_validity: "87600h".into(),
-            tls_reload_interval: "1s".into(),
+            self_signed_leaf_validity: Duration::from_secs(2160 * 3600),
+            self_signed_ca_validity: Duration::from_secs(87600 * 3600),
+            tls_reload_interval: Duration::from_secs(1),
             ..Default::default()
         }
     }
@@ -690,7 +672,7 @@ mod tests {
                     o.tls_cert_file = None;
                     o.tls_key_file = None;
                     o.self_signed = true;
-                    o.self_signed_ca_validity = "1h".into();
+                    o.self_signed_ca_validity = Duration::from_secs(3600);
                 },
                 Some("self-signed-ca-validity"),
             ),
