@@ -98,6 +98,7 @@ vm-image:
 # The image's runtime tree without Docker (<target>/image/rootfs, its file list beside it).
 image-rootfs:
     cargo build --release --bin pmem-csi
+    ! grep -qa -e PMEM_CSI_TEST_FAULT_POINT -e PMEM_CSI_TEST_DELAY "{{target_dir}}/release/pmem-csi" || { echo "error: the release binary carries the test hooks" >&2; exit 1; }
     bash tools/image-rootfs.sh "{{target_dir}}/release/pmem-csi" "{{target_dir}}/image/rootfs" "{{target_dir}}/image/files.txt"
 
 # The image as an OCI archive, built by Debian's buildah from the Dockerfile without Docker

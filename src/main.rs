@@ -4,6 +4,7 @@ use std::net::SocketAddr;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
+use controllers::concern::host;
 use controllers::{AdminServer, LogFormat, Readiness};
 use futures::FutureExt;
 use prometheus_client::registry::Registry;
@@ -134,68 +135,8 @@ async fn main() -> anyhow::Result<()> {
         driver::program::check(config.device_mode, &readiness);
         let serving = readiness.register("csi-server");
         let node = driver::NodeDriver::start(config, &mut registry)?;
-        if !node.config().standalone {
-            let client = controllers::rate_limit::client(node.config().kube_api)
-                .await
-                .context("connecting to the apiserver (use --standalone to run without it)")?;
-            let publisher = controllers::capacity_publisher::CapacityPublisher::new(
-                client.clone(),
-                controllers::capacity_publisher::Publisher {
-                    driver: node.config().driver_name.clone(),
-                    namespace: node.config().namespace.clone(),
-                    node: node.config().node_id.clone(),
-                },
-                node.volumes().clone(),
-                controllers::reconcile_metrics::ReconcileMetrics::register(&mut registry),
-            );
-            if let Some(period) = node.config().heartbeat_period {
-                let c = node.config();
-                let budget = controllers::heartbeat::client_budget(period);
-                let own = controllers::rate_limit::client(budget)
-                    .await
-                    .context("connecting to the apiserver for the heartbeat")?;
-                work.spawn(
-                    controllers::heartbeat::run(
-                        own,
-                        c.driver_name.clone(),
-                        c.node_id.clone(),
-                        c.namespace.clone(),
-                        period,
-                        shutdown.clone(),
-                    )
-                    .map(Ok),
-                );
-            }
-            {
-                let c = node.config();
-                let grace = c.orphan_grace;
-                let period = (grace / 2).clamp(
-                    std::time::Duration::from_secs(1),
-                    std::time::Duration::from_secs(60),
-                );
-                let sweep = controllers::orphan_sweep::OrphanSweep {
-                    client: client.clone(),
-                    driver: c.driver_name.clone(),
-                    node: c.node_id.clone(),
-                    grace,
-                    period,
-                    metrics: controllers::orphan_sweep::OrphanMetrics::register(&mut registry),
-                };
-                work.spawn(sweep.run(node.volumes().clone(), shutdown.clone()).map(Ok));
-            }
-            let token = shutdown.clone();
-            work.spawn(async move {
-                publisher.run(token.clone()).await;
-                anyhow::ensure!(
-                    token.is_cancelled(),
-                    "the capacity publisher stopped unexpectedly"
-                );
-                Ok(())
-            });
-        }
-        serving.set(true);
-        let token = shutdown.clone();
-        work.spawn(async move { node.serve(token).await.map_err(anyhow::Error::from) });
+        let concerns = node.concerns(&mut registry, serving).await?;
+        work.spawn(host(concerns, None, shutdown.clone()).map(|r| r.map_err(anyhow::Error::from)));
     }
     if let Mode::Controller(c) = &cli.mode
         && let Some(ControllerAction::RotateCa(args)) = &c.action
@@ -205,38 +146,25 @@ async fn main() -> anyhow::Result<()> {
     if let Mode::Controller(c) = &cli.mode {
         let config = c.controller.validate()?;
         let webhook = c.webhook.validate(config.driver_name())?;
-        let namespace = config.namespace().to_string();
         let mut process =
             controllers::ControllerProcess::start(config, &mut registry, &readiness).await?;
         if let Some(webhook) = webhook {
-            start_webhook(
-                webhook,
-                &mut process,
-                &namespace,
-                &mut registry,
-                &readiness,
-                &mut work,
-                &shutdown,
-            )
-            .await?;
+            webhooks::controller_concerns::add(&mut process, webhook, &mut registry, &readiness)
+                .await?;
         }
-        let token = shutdown.clone();
-        work.spawn(async move {
-            process.run(token.clone()).await;
-            // The concerns only end on shutdown; ending earlier is a failure.
-            anyhow::ensure!(token.is_cancelled(), "the controller stopped unexpectedly");
-            Ok(())
-        });
+        work.spawn(
+            process
+                .run(shutdown.clone())
+                .map(|r| r.map_err(anyhow::Error::from)),
+        );
     }
     if let Mode::Extender(c) = &cli.mode {
         let config = c.extender.validate()?;
         let extender = extender::Extender::start(config, &mut registry, &readiness).await?;
-        let token = shutdown.clone();
-        work.spawn(async move {
-            extender.run(token.clone()).await?;
-            anyhow::ensure!(token.is_cancelled(), "the extender stopped unexpectedly");
-            Ok(())
-        });
+        work.spawn(
+            host(extender.concerns(), None, shutdown.clone())
+                .map(|r| r.map_err(anyhow::Error::from)),
+        );
     }
     let admin = AdminServer::bind(admin_address, registry, readiness)
         .await
@@ -258,108 +186,6 @@ async fn main() -> anyhow::Result<()> {
     while let Some(ended) = work.join_next().await {
         ended.context("server task")??;
     }
-    Ok(())
-}
-
-/// Starts the pod webhook's certificate source and HTTPS server beside the controller's
-/// concerns.
-async fn start_webhook(
-    webhook: webhooks::webhook::WebhookConfig,
-    process: &mut controllers::ControllerProcess,
-    namespace: &str,
-    registry: &mut Registry,
-    readiness: &Readiness,
-    work: &mut tokio::task::JoinSet<anyhow::Result<()>>,
-    shutdown: &CancellationToken,
-) -> anyhow::Result<()> {
-    use webhooks::webhook::CertificateSource;
-    let resolver = std::sync::Arc::new(webhooks::tls::CertResolver::new());
-    match &webhook.certificate {
-        CertificateSource::Files(files) => {
-            resolver
-                .load_files(files)
-                .context("loading the webhook certificate")?;
-            work.spawn(
-                resolver
-                    .clone()
-                    .watch_files(files.clone(), webhook.reload_interval, shutdown.clone())
-                    .map(Ok),
-            );
-        }
-        CertificateSource::SelfSigned(config) => {
-            let secret = webhooks::certificate_secret::CertificateSecret::new(
-                process.client(),
-                namespace,
-                config.clone(),
-            );
-            let keeper = secret.clone();
-            process.add_concern(
-                "webhook-certificate",
-                true,
-                Box::new(move |term| Box::pin(keeper.clone().keep(term))),
-            );
-            work.spawn(secret.follow(resolver.clone(), shutdown.clone()).map(Ok));
-        }
-    }
-    // Ready once a certificate is there to serve (followers wait for the leader's Secret).
-    let certificate = readiness.register("webhook-certificate");
-    let watched = resolver.clone();
-    let token = shutdown.clone();
-    work.spawn(async move {
-        while watched.current().is_none() {
-            tokio::select! {
-                _ = tokio::time::sleep(std::time::Duration::from_millis(200)) => {}
-                _ = token.cancelled() => return Ok(()),
-            }
-        }
-        certificate.set(true);
-        // Every task of `work` lives until shutdown; one ending early stops the process.
-        token.cancelled().await;
-        Ok(())
-    });
-    let server = webhooks::https::HttpsServer::bind(webhook.address)
-        .await
-        .context("binding the webhook address")?
-        .with_options(webhooks::https::ServeOptions::webhook());
-    tracing::info!(address = %server.local_addr(), "pod webhook listening");
-    let router = webhooks::webhook::router(
-        process.client(),
-        process.stores(),
-        webhook.policy.clone(),
-        webhooks::webhook::WebhookMetrics::register(registry),
-    );
-    // Pods admitted while the webhook was unreachable: reported by the leader.
-    let relevance = webhooks::webhook::pod_relevance(process.stores(), webhook.policy.clone());
-    let (client, driver, reconciles) = (
-        process.client(),
-        webhook.policy.driver.clone(),
-        process.reconciles(),
-    );
-    let metrics = controllers::bypass::BypassMetrics::register(registry);
-    let reporter = process.config().reporter();
-    process.add_concern(
-        "bypass",
-        true,
-        Box::new(move |term| {
-            Box::pin(
-                controllers::bypass::Bypass::new(
-                    client.clone(),
-                    driver.clone(),
-                    relevance.clone(),
-                    reporter.clone(),
-                    metrics.clone(),
-                    reconciles.clone(),
-                )
-                .run(term),
-            )
-        }),
-    );
-    let token = shutdown.clone();
-    work.spawn(async move {
-        webhooks::webhook::serve(server, router, resolver, token)
-            .await
-            .context("serving the webhook")
-    });
     Ok(())
 }
 

@@ -22,8 +22,8 @@ use prometheus_client::registry::Registry;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::error_backoff::ErrorBackoff;
-use crate::reconcile_metrics::{ReconcileMetrics, ReconcileResult};
+use crate::instrument::Instrument;
+use crate::reconcile_metrics::ReconcileMetrics;
 use crate::well_known::scheduler_resource;
 
 /// The controller's name in metrics and logs.
@@ -303,8 +303,7 @@ pub struct Bypass {
     relevance: PodRelevance,
     recorder: Recorder,
     tally: Tally,
-    reconciles: ReconcileMetrics,
-    backoff: ErrorBackoff<Pod>,
+    instrument: Instrument<Pod>,
 }
 
 /// A [`Bypass`] with the cache its watch fills.
@@ -323,7 +322,6 @@ impl Bypass {
         metrics: BypassMetrics,
         reconciles: ReconcileMetrics,
     ) -> Self {
-        reconciles.precreate(CONTROLLER);
         Self {
             recorder: Recorder::new(client.clone(), reporter),
             client,
@@ -333,8 +331,7 @@ impl Bypass {
                 flagged: Mutex::default(),
                 metrics,
             },
-            reconciles,
-            backoff: ErrorBackoff::default(),
+            instrument: Instrument::new(CONTROLLER, reconciles),
         }
     }
 
@@ -445,23 +442,14 @@ impl Term {
 }
 
 async fn reconcile(pod: Arc<Pod>, ctx: Arc<Term>) -> Result<Action, BypassError> {
-    let active = ctx.bypass.reconciles.start(CONTROLLER);
-    let result = ctx.reconcile(&pod).await;
-    active.finish(match &result {
-        Ok(a) if *a == Action::await_change() => ReconcileResult::Success,
-        Ok(_) => ReconcileResult::RequeueAfter,
-        Err(_) => ReconcileResult::Error,
-    });
-    if result.is_ok() {
-        ctx.bypass.backoff.succeeded(&pod);
-    }
-    result
+    ctx.bypass
+        .instrument
+        .reconcile(&pod, ctx.reconcile(&pod))
+        .await
 }
 
 fn error_policy(pod: Arc<Pod>, error: &BypassError, ctx: Arc<Term>) -> Action {
-    let delay = ctx.bypass.backoff.failed(&pod);
-    tracing::warn!("{error}; retrying in {delay:?}");
-    Action::requeue(delay)
+    ctx.bypass.instrument.error_policy(&pod, error)
 }
 
 #[cfg(test)]

@@ -14,10 +14,10 @@ use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use tokio_util::sync::CancellationToken;
 
-use crate::error_backoff::ErrorBackoff;
+use crate::instrument::Instrument;
 use crate::liveness::{DriverlessReason, Liveness};
 use crate::liveness_view::LivenessView;
-use crate::reconcile_metrics::{ReconcileMetrics, ReconcileResult};
+use crate::reconcile_metrics::ReconcileMetrics;
 use crate::stores::Stores;
 use crate::volume_facts::capacity_node;
 use crate::well_known::DRIVER_LABEL;
@@ -78,11 +78,10 @@ pub struct CleanupError {
 }
 
 struct Context {
-    backoff: ErrorBackoff<CSIStorageCapacity>,
+    instrument: Instrument<CSIStorageCapacity>,
     client: kube::Client,
     stores: Stores,
     liveness: LivenessView,
-    reconciles: ReconcileMetrics,
 }
 
 /// Runs the clean-up over this driver's capacity objects in `namespace` until `shutdown`.
@@ -93,15 +92,13 @@ pub async fn run(
     reconciles: ReconcileMetrics,
     shutdown: CancellationToken,
 ) {
-    reconciles.precreate(CONTROLLER);
     let settings = liveness.settings().clone();
     let api = Api::<CSIStorageCapacity>::namespaced(client.clone(), &settings.namespace);
     let ctx = Arc::new(Context {
-        backoff: ErrorBackoff::default(),
+        instrument: Instrument::new(CONTROLLER, reconciles),
         client,
         stores,
         liveness,
-        reconciles,
     });
     Controller::new(
         api,
@@ -110,11 +107,7 @@ pub async fn run(
     .graceful_shutdown_on(shutdown.cancelled_owned())
     .run(
         reconcile,
-        |object, e: &CleanupError, ctx: Arc<Context>| {
-            let delay = ctx.backoff.failed(&object);
-            tracing::warn!("{e}; retrying in {delay:?}");
-            Action::requeue(delay)
-        },
+        |object, e: &CleanupError, ctx: Arc<Context>| ctx.instrument.error_policy(&object, e),
         ctx,
     )
     .for_each(|_| async {})
@@ -125,17 +118,9 @@ async fn reconcile(
     object: Arc<CSIStorageCapacity>,
     ctx: Arc<Context>,
 ) -> Result<Action, CleanupError> {
-    let active = ctx.reconciles.start(CONTROLLER);
-    let result = clean(&object, &ctx).await;
-    if result.is_ok() {
-        ctx.backoff.succeeded(&object);
-    }
-    active.finish(match &result {
-        Ok(a) if *a == Action::await_change() => ReconcileResult::Success,
-        Ok(_) => ReconcileResult::RequeueAfter,
-        Err(_) => ReconcileResult::Error,
-    });
-    result
+    ctx.instrument
+        .reconcile(&object, clean(&object, &ctx))
+        .await
 }
 
 async fn clean(object: &CSIStorageCapacity, ctx: &Context) -> Result<Action, CleanupError> {

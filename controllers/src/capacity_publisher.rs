@@ -20,9 +20,9 @@ use kube::runtime::watcher;
 use tokio_util::sync::CancellationToken;
 
 use crate::capacity_source::{CapacitySource, NodeCapacity};
-use crate::error_backoff::ErrorBackoff;
+use crate::instrument::Instrument;
 use crate::quantity;
-use crate::reconcile_metrics::{ReconcileMetrics, ReconcileResult};
+use crate::reconcile_metrics::ReconcileMetrics;
 use crate::stores;
 use crate::volume_facts::ClassFacts;
 use crate::well_known::{
@@ -226,13 +226,12 @@ pub struct CapacityPublisher<S: CapacitySource> {
 }
 
 struct Context<S: CapacitySource> {
-    backoff: ErrorBackoff<Node>,
+    instrument: Instrument<Node>,
     client: kube::Client,
     publisher: Publisher,
     source: Arc<S>,
     classes: Store<StorageClass>,
     own: Store<CSIStorageCapacity>,
-    reconciles: ReconcileMetrics,
 }
 
 impl<S: CapacitySource> CapacityPublisher<S> {
@@ -274,13 +273,12 @@ impl<S: CapacitySource> CapacityPublisher<S> {
         let changes = tokio_stream::wrappers::WatchStream::new(self.source.changes())
             .map(move |_| to_node_c());
         let ctx = Arc::new(Context {
-            backoff: ErrorBackoff::default(),
+            instrument: Instrument::new(CONTROLLER, self.reconciles.clone()),
             client: self.client.clone(),
             publisher: self.publisher.clone(),
             source: self.source.clone(),
             classes,
             own,
-            reconciles: self.reconciles.clone(),
         });
         Controller::new(
             Api::<Node>::all(self.client.clone()),
@@ -322,17 +320,7 @@ async fn reconcile<S: CapacitySource>(
     node: Arc<Node>,
     ctx: Arc<Context<S>>,
 ) -> Result<Action, PublishError> {
-    let active = ctx.reconciles.start(CONTROLLER);
-    let result = publish(&node, &ctx).await;
-    if result.is_ok() {
-        ctx.backoff.succeeded(&node);
-    }
-    active.finish(if result.is_ok() {
-        ReconcileResult::RequeueAfter
-    } else {
-        ReconcileResult::Error
-    });
-    result
+    ctx.instrument.reconcile(&node, publish(&node, &ctx)).await
 }
 
 async fn publish<S: CapacitySource>(node: &Node, ctx: &Context<S>) -> Result<Action, PublishError> {
@@ -403,9 +391,7 @@ fn error_policy<S: CapacitySource>(
     ctx: Arc<Context<S>>,
 ) -> Action {
     // Conflicts resolve once the watch delivers the newer object; the first retry is quick.
-    let delay = ctx.backoff.failed(&node);
-    tracing::warn!("{error}; retrying in {delay:?}");
-    Action::requeue(delay)
+    ctx.instrument.error_policy(&node, error)
 }
 
 #[cfg(test)]

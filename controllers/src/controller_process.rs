@@ -5,7 +5,6 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use futures::StreamExt;
-use futures::future::BoxFuture;
 use tokio::sync::mpsc;
 
 use k8s_openapi::api::coordination::v1::Lease;
@@ -19,8 +18,9 @@ use prometheus_client::registry::Registry;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use crate::concern::{Concern, ConcernEnded, Elector};
 use crate::flags::{ClientBudget, FlagError, KubeApiArgs, LivenessArgs, duration};
-use crate::leader::{LeaderMetrics, LeaderSettings};
+use crate::leader::LeaderMetrics;
 use crate::liveness_view::{LivenessSettings, LivenessView};
 use crate::readiness::{Readiness, ReadyFlag};
 use crate::reconcile_metrics::ReconcileMetrics;
@@ -161,13 +161,9 @@ pub enum ControllerProcessError {
     Client(#[from] kube::Error),
 }
 
-/// Starts one run of a concern that another crate adds, given the token that ends it (on
-/// shutdown, or when this instance stops leading).
-pub type ConcernStart = Box<dyn Fn(CancellationToken) -> BoxFuture<'static, ()> + Send + Sync>;
-
-/// The controller process: caches started, concerns ready to run.
+/// The controller process: caches started, concerns ready to be hosted.
 pub struct ControllerProcess {
-    extra: Vec<(String, bool, ConcernStart)>,
+    concerns: Vec<Concern>,
     config: ControllerConfig,
     client: kube::Client,
     election_client: kube::Client,
@@ -221,7 +217,7 @@ impl ControllerProcess {
             ),
         };
         Ok(Self {
-            extra: Vec::new(),
+            concerns: Vec::new(),
             config,
             client,
             election_client,
@@ -255,100 +251,104 @@ impl ControllerProcess {
         &self.config
     }
 
-    /// Adds a concern hosted like the built-in ones: with `leader_only`, it runs only while this
-    /// instance holds the Lease `<driver>-<name>` (always, without leader election); otherwise
-    /// it runs on every replica. `start` is called again after each regained leadership.
-    pub fn add_concern(&mut self, name: &str, leader_only: bool, start: ConcernStart) {
-        self.extra.push((name.to_string(), leader_only, start));
+    /// Adds a concern, hosted with the built-in ones once the caches have synced.
+    pub fn add_concern(&mut self, concern: Concern) {
+        self.concerns.push(concern);
     }
 
-    /// Runs every concern until `shutdown`.
-    pub async fn run(mut self, shutdown: CancellationToken) {
+    /// Waits for the caches, then hosts every concern until `shutdown` (see
+    /// [`crate::concern::host`]): the rescheduler and the capacity clean-up, the claim
+    /// forwarder, and those added.
+    pub async fn run(mut self, shutdown: CancellationToken) -> Result<(), ConcernEnded> {
         tokio::select! {
             ready = self.stores.wait_ready() => {
                 if ready.is_err() {
-                    tracing::error!("a watch ended before its cache was ready");
-                    return;
+                    return Err(ConcernEnded("a watch of the shared caches".into()));
                 }
             }
-            _ = shutdown.cancelled() => return,
+            _ = shutdown.cancelled() => return Ok(()),
         }
         self.synced.set(true);
         tracing::info!("caches synced");
         let liveness = LivenessView::new(self.config.liveness.clone(), self.stores.node_stores());
-        self.tasks.spawn(liveness.clone().run(shutdown.clone()));
-        let reporter = self.config.reporter();
-        // Leader-only concerns; without leader election every instance leads.
-        let leading =
-            |concern: &str, tasks: &mut JoinSet<()>| -> tokio::sync::watch::Receiver<bool> {
-                match &self.config.leader_election {
-                    None => tokio::sync::watch::channel(true).1,
-                    Some(settings) => {
-                        let (rx, election) = crate::leader::elect(
-                            self.election_client.clone(),
-                            LeaderSettings {
-                                name: crate::well_known::leader_lease_name(
-                                    self.config.driver_name(),
-                                    concern,
-                                ),
-                                namespace: self.config.namespace().to_string(),
-                                identity: settings.identity.clone(),
-                                lease_duration: settings.lease_duration,
-                                retry_period: settings.retry_period,
-                                wall_clock_skew: Default::default(),
-                            },
-                            self.leader_metrics.clone(),
-                            shutdown.clone(),
-                        );
-                        tasks.spawn(election);
-                        rx
-                    }
-                }
-            };
-        let mut elections = JoinSet::new();
-        for (name, leader_only, start) in std::mem::take(&mut self.extra) {
-            if leader_only {
-                let rx = leading(&name, &mut elections);
-                self.tasks.spawn(crate::leader::while_leading(
-                    rx,
-                    shutdown.clone(),
-                    // The closure owns `start`: the task outlives this loop.
-                    #[allow(clippy::redundant_closure)]
-                    move |term| start(term),
-                ));
-            } else {
-                self.tasks.spawn(start(shutdown.clone()));
-            }
-        }
-        let cleanup_leading = leading("capacity-cleanup", &mut elections);
-        let rescheduler_leading = leading("rescheduler", &mut elections);
+        let observer = liveness.clone();
+        let mut concerns = vec![Concern::everywhere("liveness", move |token| {
+            observer.run(token)
+        })];
         let (client, stores, cleanup_liveness, reconciles) = (
             self.client.clone(),
             self.stores.clone(),
             liveness.clone(),
             self.reconciles.clone(),
         );
-        self.tasks.spawn(crate::leader::while_leading(
-            cleanup_leading,
-            shutdown.clone(),
-            move |term| {
-                crate::capacity_cleanup::run(
-                    client.clone(),
-                    stores.clone(),
-                    cleanup_liveness.clone(),
-                    reconciles.clone(),
-                    term,
-                )
-            },
-        ));
-        // The shared claim watch must always be drained, or it would stall every cache of the
-        // process; its events go to the rescheduler only while it leads.
-        let term_sender: Arc<Mutex<Option<mpsc::Sender<Arc<PersistentVolumeClaim>>>>> =
-            Arc::default();
-        let forward_to = term_sender.clone();
-        let mut claim_events = self.claim_events;
-        self.tasks.spawn(async move {
-            while let Some(claim) = claim_events.next().await {
+        concerns.push(Concern::leader_only("capacity-cleanup", move |term| {
+            crate::capacity_cleanup::run(
+                client.clone(),
+                stores.clone(),
+                cleanup_liveness.clone(),
+                reconciles.clone(),
+                term,
+            )
+        }));
+        let (client, stores, metrics, reconciles, reporter) = (
+            self.client.clone(),
+            self.stores.clone(),
+            self.rescheduler_metrics.clone(),
+            self.reconciles.clone(),
+            self.config.reporter(),
+        );
+        let claims = self.stores.claims.clone();
+        concerns.extend(rescheduler_concerns(self.claim_events, claims, move || {
+            Rescheduler::new(
+                client.clone(),
+                stores.clone(),
+                liveness.clone(),
+                reporter.clone(),
+                metrics.clone(),
+                reconciles.clone(),
+            )
+        }));
+        concerns.append(&mut self.concerns);
+        let elector = self.config.leader_election.as_ref().map(|e| Elector {
+            client: self.election_client.clone(),
+            driver: self.config.driver_name().to_string(),
+            namespace: self.config.namespace().to_string(),
+            identity: e.identity.clone(),
+            lease_duration: e.lease_duration,
+            retry_period: e.retry_period,
+            metrics: self.leader_metrics.clone(),
+        });
+        let hosted = crate::concern::host(concerns, elector, shutdown).await;
+        self.tasks.abort_all();
+        hosted
+    }
+}
+
+/// The rescheduler (leader only; `make` builds one per leadership term) and the forwarder that
+/// feeds it from the shared claim watch (everywhere: the watch must always be drained, or it
+/// would stall every cache of the process; its events reach the rescheduler only while it
+/// leads). A new leader starts from every claim in `claims`, not only from what changes next.
+fn rescheduler_concerns(
+    claim_events: ReflectHandle<PersistentVolumeClaim>,
+    claims: kube::runtime::reflector::Store<PersistentVolumeClaim>,
+    make: impl Fn() -> Rescheduler + Send + Sync + 'static,
+) -> [Concern; 2] {
+    type Slot = Arc<Mutex<Option<mpsc::Sender<Arc<PersistentVolumeClaim>>>>>;
+    let term_sender: Slot = Arc::default();
+    let forward_to = term_sender.clone();
+    let forwarder = Concern::everywhere("claim-forwarder", move |token| {
+        let mut events = claim_events;
+        async move {
+            loop {
+                let claim = tokio::select! {
+                    claim = events.next() => claim,
+                    _ = token.cancelled() => return,
+                };
+                let Some(claim) = claim else {
+                    // The shared watch ends only when its task is aborted, after shutdown.
+                    token.cancelled().await;
+                    return;
+                };
                 let sender = forward_to
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner)
@@ -357,47 +357,30 @@ impl ControllerProcess {
                     let _ = sender.send(claim).await;
                 }
             }
-        });
-        let (client, stores, metrics, reconciles) = (
-            self.client.clone(),
-            self.stores.clone(),
-            self.rescheduler_metrics.clone(),
-            self.reconciles.clone(),
-        );
-        crate::leader::while_leading(rescheduler_leading, shutdown.clone(), move |term| {
-            let (tx, rx) = mpsc::channel(4096);
-            // A new leader starts from everything cached, not only from what changes next.
-            let seed = tx.clone();
-            let existing = stores.claims.state();
-            tokio::spawn(async move {
-                for claim in existing {
-                    if seed.send(claim).await.is_err() {
-                        return;
-                    }
+        }
+    });
+    let rescheduler = Concern::leader_only("rescheduler", move |term| {
+        let (tx, rx) = mpsc::channel(4096);
+        let seed = tx.clone();
+        let existing = claims.state();
+        tokio::spawn(async move {
+            for claim in existing {
+                if seed.send(claim).await.is_err() {
+                    return;
                 }
-            });
-            *term_sender.lock().unwrap_or_else(PoisonError::into_inner) = Some(tx);
-            let rescheduler = Rescheduler::new(
-                client.clone(),
-                stores.clone(),
-                liveness.clone(),
-                reporter.clone(),
-                metrics.clone(),
-                reconciles.clone(),
-            );
-            let slot = term_sender.clone();
-            async move {
-                rescheduler
-                    .run(tokio_stream::wrappers::ReceiverStream::new(rx), term)
-                    .await;
-                *slot.lock().unwrap_or_else(PoisonError::into_inner) = None;
             }
-        })
-        .await;
-        // Let the elections release their Leases.
-        while elections.join_next().await.is_some() {}
-        self.tasks.abort_all();
-    }
+        });
+        *term_sender.lock().unwrap_or_else(PoisonError::into_inner) = Some(tx);
+        let rescheduler = make();
+        let slot = term_sender.clone();
+        async move {
+            rescheduler
+                .run(tokio_stream::wrappers::ReceiverStream::new(rx), term)
+                .await;
+            *slot.lock().unwrap_or_else(PoisonError::into_inner) = None;
+        }
+    });
+    [forwarder, rescheduler]
 }
 
 #[cfg(test)]

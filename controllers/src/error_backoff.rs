@@ -1,6 +1,6 @@
-//! Per-object exponential back-off after failed reconciles (500 ms, 1 s, 2 s, … 5 min), reset
-//! by a success: one failing object backs off without slowing the others, and a persistent
-//! failure does not hammer the apiserver. An object that stopped failing without a success (it
+//! Per-object exponential back-off after failed reconciles (500 ms, 1 s, 2 s, … 5 min, backon's
+//! schedule), reset by a success: one failing object backs off without slowing the others, and a
+//! persistent failure does not hammer the apiserver. An object that stopped failing without a success (it
 //! was deleted, or is no longer reconciled) is forgotten after [`FORGET_AFTER`], so the map
 //! holds only objects that are still failing.
 
@@ -9,6 +9,7 @@ use std::hash::Hash;
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
 use kube::Resource;
 use kube::runtime::reflector::ObjectRef;
 
@@ -20,10 +21,10 @@ pub const MAX: Duration = Duration::from_secs(300);
 /// failure is this old was deleted or is no longer reconciled.
 pub const FORGET_AFTER: Duration = Duration::from_secs(2 * 300);
 
-/// Consecutive failures of one object and when the last one was.
-#[derive(Clone, Copy, Debug)]
+/// The delays still ahead of one object and when its last failure was.
+#[derive(Debug)]
 struct Failures {
-    count: u32,
+    delays: ExponentialBackoff,
     last: Instant,
 }
 
@@ -46,11 +47,21 @@ where
     }
 }
 
+/// The delays after one, two, … consecutive failures: doubling from [`FIRST`] to [`MAX`], no
+/// jitter (kube-runtime's reconciler runs each object once at a time), without end.
+pub fn schedule() -> ExponentialBackoff {
+    ExponentialBuilder::new()
+        .with_min_delay(FIRST)
+        .with_max_delay(MAX)
+        .with_factor(2.0)
+        .without_max_times()
+        .build()
+}
+
 /// The delay after `failures` consecutive failures (≥ 1).
 pub fn delay(failures: u32) -> Duration {
-    FIRST
-        .saturating_mul(1u32 << failures.saturating_sub(1).min(20))
-        .min(MAX)
+    let skip = usize::try_from(failures.saturating_sub(1)).unwrap_or(usize::MAX);
+    schedule().nth(skip).unwrap_or(MAX)
 }
 
 impl<K: Resource> ErrorBackoff<K>
@@ -67,13 +78,12 @@ where
         failures.retain(|_, f| now.saturating_duration_since(f.last) < FORGET_AFTER);
         let f = failures
             .entry(ObjectRef::from_obj(object))
-            .or_insert(Failures {
-                count: 0,
+            .or_insert_with(|| Failures {
+                delays: schedule(),
                 last: now,
             });
-        f.count = f.count.saturating_add(1);
         f.last = now;
-        delay(f.count)
+        f.delays.next().unwrap_or(MAX)
     }
 
     /// How many objects are backing off.

@@ -20,10 +20,10 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
-use crate::error_backoff::ErrorBackoff;
+use crate::instrument::Instrument;
 use crate::liveness::{DriverlessReason, Liveness};
 use crate::liveness_view::LivenessView;
-use crate::reconcile_metrics::{ReconcileMetrics, ReconcileResult};
+use crate::reconcile_metrics::ReconcileMetrics;
 use crate::stores::Stores;
 use crate::volume_facts::{ClaimFacts, ClassFacts, provisioner};
 use crate::waiting_claims::{
@@ -205,8 +205,7 @@ pub struct Rescheduler {
     liveness: LivenessView,
     recorder: Recorder,
     metrics: ReschedulerMetrics,
-    reconciles: ReconcileMetrics,
-    backoff: ErrorBackoff<PersistentVolumeClaim>,
+    instrument: Instrument<PersistentVolumeClaim>,
 }
 
 /// The facts of `claim`, and of its class when `classes` has it.
@@ -233,15 +232,13 @@ impl Rescheduler {
         metrics: ReschedulerMetrics,
         reconciles: ReconcileMetrics,
     ) -> Self {
-        reconciles.precreate(CONTROLLER);
         Self {
             recorder: Recorder::new(client.clone(), reporter),
             client,
             stores,
             liveness,
             metrics,
-            reconciles,
-            backoff: ErrorBackoff::default(),
+            instrument: Instrument::new(CONTROLLER, reconciles),
         }
     }
 
@@ -389,17 +386,9 @@ async fn reconcile(
     claim: Arc<PersistentVolumeClaim>,
     ctx: Arc<Rescheduler>,
 ) -> Result<Action, RescheduleError> {
-    let active = ctx.reconciles.start(CONTROLLER);
-    let result = ctx.reconcile(&claim).await;
-    active.finish(match &result {
-        Ok(a) if *a == Action::await_change() => ReconcileResult::Success,
-        Ok(_) => ReconcileResult::RequeueAfter,
-        Err(_) => ReconcileResult::Error,
-    });
-    if result.is_ok() {
-        ctx.backoff.succeeded(&claim);
-    }
-    result
+    ctx.instrument
+        .reconcile(&claim, ctx.reconcile(&claim))
+        .await
 }
 
 fn error_policy(
@@ -407,9 +396,7 @@ fn error_policy(
     error: &RescheduleError,
     ctx: Arc<Rescheduler>,
 ) -> Action {
-    let delay = ctx.backoff.failed(&claim);
-    tracing::warn!("{error}; retrying in {delay:?}");
-    Action::requeue(delay)
+    ctx.instrument.error_policy(&claim, error)
 }
 
 #[cfg(test)]

@@ -4,6 +4,7 @@
 pub mod backend;
 pub mod block_device;
 pub mod capability;
+#[cfg(feature = "test-hooks")]
 pub mod client;
 pub mod config;
 pub mod controller;
@@ -35,6 +36,12 @@ pub mod volumes;
 
 use std::sync::Arc;
 
+use controllers::capacity_publisher::{CapacityPublisher, Publisher};
+use controllers::concern::Concern;
+use controllers::heartbeat;
+use controllers::orphan_sweep::{OrphanMetrics, OrphanSweep};
+use controllers::readiness::ReadyFlag;
+use controllers::reconcile_metrics::ReconcileMetrics;
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
@@ -65,6 +72,14 @@ pub enum DriverError {
     /// The gRPC server.
     #[error(transparent)]
     Server(#[from] server::ServerError),
+    /// No client for the Kubernetes API.
+    #[error("connecting to the apiserver{for_what} (use --standalone to run without it): {source}")]
+    Client {
+        /// Which client.
+        for_what: &'static str,
+        /// Why.
+        source: kube::Error,
+    },
 }
 
 /// The backend of another device mode, for volumes recorded in it: lvm and direct live on the
@@ -168,6 +183,73 @@ impl NodeDriver {
     /// The validated configuration.
     pub fn config(&self) -> &NodeConfig {
         &self.config
+    }
+
+    /// The node process's concerns: the CSI server and, unless `--standalone`, the capacity
+    /// publisher, the heartbeat (with `--heartbeat-period` above zero) and the orphan sweep.
+    /// `serving` turns ready when the CSI server starts.
+    pub async fn concerns(
+        self,
+        registry: &mut Registry,
+        serving: ReadyFlag,
+    ) -> Result<Vec<Concern>, DriverError> {
+        let config = self.config.clone();
+        let volumes = self.volumes.clone();
+        let mut concerns = vec![Concern::everywhere("csi-server", move |token| async move {
+            serving.set(true);
+            if let Err(e) = self.serve(token).await {
+                tracing::error!("serving CSI: {e}");
+            }
+        })];
+        if config.standalone {
+            return Ok(concerns);
+        }
+        let client = |for_what| move |source| DriverError::Client { for_what, source };
+        let api = controllers::rate_limit::client(config.kube_api)
+            .await
+            .map_err(client(""))?;
+        let publisher = CapacityPublisher::new(
+            api.clone(),
+            Publisher {
+                driver: config.driver_name.clone(),
+                namespace: config.namespace.clone(),
+                node: config.node_id.clone(),
+            },
+            volumes.clone(),
+            ReconcileMetrics::register(registry),
+        );
+        concerns.push(Concern::everywhere("capacity-publisher", move |token| {
+            publisher.run(token)
+        }));
+        if let Some(period) = config.heartbeat_period {
+            // Its own client: a node busy publishing and sweeping never delays a renewal.
+            let own = controllers::rate_limit::client(heartbeat::client_budget(period))
+                .await
+                .map_err(client(" for the heartbeat"))?;
+            let (driver, node, namespace) = (
+                config.driver_name.clone(),
+                config.node_id.clone(),
+                config.namespace.clone(),
+            );
+            concerns.push(Concern::everywhere("heartbeat", move |token| {
+                heartbeat::run(own, driver, node, namespace, period, token)
+            }));
+        }
+        let sweep = OrphanSweep {
+            client: api,
+            driver: config.driver_name.clone(),
+            node: config.node_id.clone(),
+            grace: config.orphan_grace,
+            period: (config.orphan_grace / 2).clamp(
+                std::time::Duration::from_secs(1),
+                std::time::Duration::from_secs(60),
+            ),
+            metrics: OrphanMetrics::register(registry),
+        };
+        concerns.push(Concern::everywhere("orphan-sweep", move |token| {
+            sweep.run(volumes, token)
+        }));
+        Ok(concerns)
     }
 
     /// Serves CSI until `shutdown`, then lets in-flight RPCs finish.

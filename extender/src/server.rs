@@ -283,7 +283,19 @@ impl Extender {
         self.listener.local_addr().ok()
     }
 
-    /// Serves until `shutdown`.
+    /// The extender as the process hosts it: one concern, serving until shutdown.
+    pub fn concerns(self) -> Vec<controllers::concern::Concern> {
+        vec![controllers::concern::Concern::everywhere(
+            "extender",
+            move |token| async move {
+                if let Err(e) = self.run(token).await {
+                    tracing::error!("serving the extender: {e}");
+                }
+            },
+        )]
+    }
+
+    /// Serves `/filter`, `/prioritize` and `/preempt` until `shutdown`.
     pub async fn run(mut self, shutdown: CancellationToken) -> Result<(), ExtenderError> {
         let shared = self.shared.clone();
         self.tasks

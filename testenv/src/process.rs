@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use backon::BackoffBuilder;
 use rustix::process::{Pid, Signal};
 use tokio::process::{Child, Command};
 use tokio::sync::watch;
@@ -478,7 +479,17 @@ async fn supervise(
     state: watch::Sender<SupervisedState>,
     stop: CancellationToken,
 ) {
-    let mut backoff = RESTART_BACKOFF_START;
+    // kubelet's CrashLoopBackOff, shortened: doubling from the start to the maximum.
+    let schedule = || {
+        backon::ExponentialBuilder::new()
+            .with_min_delay(RESTART_BACKOFF_START)
+            .with_max_delay(RESTART_BACKOFF_MAX)
+            .with_factor(2.0)
+            .without_max_times()
+            .build()
+    };
+    let mut delays = schedule();
+    let mut backoff = delays.next().unwrap_or(RESTART_BACKOFF_MAX);
     loop {
         let started = Instant::now();
         let outcome = match spec.spawn(group) {
@@ -503,7 +514,8 @@ async fn supervise(
             Err(e) => e.to_string(),
         };
         if started.elapsed() >= BACKOFF_RESET_AFTER {
-            backoff = RESTART_BACKOFF_START;
+            delays = schedule();
+            backoff = delays.next().unwrap_or(RESTART_BACKOFF_MAX);
         }
         tracing::warn!(
             name = spec.name,
@@ -522,7 +534,7 @@ async fn supervise(
             _ = tokio::time::sleep(backoff) => {}
             _ = stop.cancelled() => break,
         }
-        backoff = (backoff * 2).min(RESTART_BACKOFF_MAX);
+        backoff = delays.next().unwrap_or(RESTART_BACKOFF_MAX);
         state.send_modify(|s| s.restarts += 1);
     }
     state.send_modify(|s| {

@@ -7,6 +7,7 @@
 
 pub mod admission;
 pub mod certificate_secret;
+pub mod controller_concerns;
 pub mod https;
 pub mod mutation;
 pub mod self_signed;
