@@ -616,6 +616,11 @@ EOF
   log "the apiserver reaches pod IPs on both nodes"
   local ip answers=""
   ip=$($KUBECTL get svc web -o jsonpath='{.spec.clusterIP}')
+  # kube-proxy programs a new Service's rules on its next sync after the EndpointSlice appears;
+  # on a loaded machine the first request can come before that (seen: one timeout, then every
+  # answer). Wait for the first answer, then require all eight.
+  wait_for 60 "Service web ($ip) programmed on node-1" \
+    $KUBECTL exec busybox-node-1 -- timeout 5 wget -qO- "http://$ip/"
   for _ in 1 2 3 4 5 6 7 8; do
     # (busybox 1.35's wget -T segfaults: exit 139; hence timeout(1))
     answers+="$($KUBECTL exec busybox-node-1 -- timeout 5 wget -qO- "http://$ip/" 2>&1 || echo FAILED) "
