@@ -109,6 +109,11 @@ in_node() {
   nsenter --mount="$(mntns_file "$n")" --net="/run/netns/$(netns_name "$n")" -- "$@"
 }
 
+# web_answers_node_1 <ip>: busybox-node-1 gets an answer from http://<ip>/ within 5 s.
+web_answers_node_1() {
+  $KUBECTL exec busybox-node-1 -- timeout 5 wget -qO- "http://$1/"
+}
+
 wait_for() { # wait_for <seconds> <description> <cmd...>
   local t=$1 what=$2; shift 2
   local end=$((SECONDS + t))
@@ -619,8 +624,7 @@ EOF
   # kube-proxy programs a new Service's rules on its next sync after the EndpointSlice appears;
   # on a loaded machine the first request can come before that (seen: one timeout, then every
   # answer). Wait for the first answer, then require all eight.
-  wait_for 60 "Service web ($ip) programmed on node-1" \
-    $KUBECTL exec busybox-node-1 -- timeout 5 wget -qO- "http://$ip/"
+  wait_for 60 "Service web ($ip) programmed on node-1" web_answers_node_1 "$ip"
   for _ in 1 2 3 4 5 6 7 8; do
     # (busybox 1.35's wget -T segfaults: exit 139; hence timeout(1))
     answers+="$($KUBECTL exec busybox-node-1 -- timeout 5 wget -qO- "http://$ip/" 2>&1 || echo FAILED) "
