@@ -465,7 +465,7 @@ async fn storage_bound_arm(scale: &Scale, with_extender: bool) -> anyhow::Result
             .extender(Vec::<String>::new())
             .controller(Vec::<String>::new())
     } else {
-        builder.controller(["!--webhook-address"])
+        builder.controller_without_webhook(Vec::<String>::new())
     };
     let env = builder.start().await.context("starting testenv")?;
     let client = env.client().await?;

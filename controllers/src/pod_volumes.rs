@@ -1,10 +1,11 @@
 //! Which volumes of a pod are pending PMEM demand of this driver, and how large each is.
 //!
 //! Shared by the pod mutating webhook (is the pod relevant at all?) and the scheduler extender
-//! (how much must fit on a node?). Sans-IO: the shell asks [`claims_to_look_up`], fills
-//! [`VolumeFacts::claims`], asks [`classes_to_look_up`], fills [`VolumeFacts::classes`] and
-//! [`VolumeFacts::default_class`], then calls [`pending_volumes`]. Each answer comes from a
-//! cache first and from at most one GET per miss; whatever is still unknown counts as missing.
+//! (how much must fit on a node?). Sans-IO: [`gather`] asks a [`Lookup`] for the claims of
+//! [`claims_to_look_up`], then for the classes of [`classes_to_look_up`] and the default class,
+//! into [`VolumeFacts`]; [`pending_volumes`] decides from them. The webhook's lookup reads its
+//! caches and GETs misses under one deadline, the bypass reporting's reads the caches alone,
+//! the extender's its index; whatever is still unknown counts as missing.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -14,6 +15,51 @@ use crate::volume_facts::{
 pub use crate::volume_facts::{ClaimFacts, ClaimKey, ClassFacts};
 use crate::well_known::INLINE_SIZE;
 use k8s_openapi::api::core::v1::{Pod, Volume};
+
+/// Where [`gather`] finds claims and classes: a cache, an index, the apiserver. Batches, so
+/// that a lookup over the network can ask for all misses at once.
+pub trait Lookup {
+    /// The claims `keys` (each asked once), each `None` when not found.
+    fn claims(
+        &self,
+        keys: Vec<ClaimKey>,
+    ) -> impl Future<Output = Vec<(ClaimKey, Option<ClaimFacts>)>> + Send;
+    /// The classes `names` (each asked once), each `None` when not found.
+    fn classes(
+        &self,
+        names: Vec<String>,
+    ) -> impl Future<Output = Vec<(String, Option<ClassFacts>)>> + Send;
+    /// The cluster's default class, `None` when there is none.
+    fn default_class(&self) -> impl Future<Output = Option<ClassFacts>> + Send;
+}
+
+/// The facts about `pod`'s volumes that [`pending_volumes`] needs, from `lookup`: its claims,
+/// the classes of its unbound claims and of the templates whose claims do not exist yet, and
+/// the default class when a template names none.
+pub async fn gather(pod: &Pod, namespace: &str, lookup: &impl Lookup) -> VolumeFacts {
+    let mut facts = VolumeFacts::default();
+    let claims = claims_to_look_up(pod, namespace);
+    if !claims.is_empty() {
+        facts.claims.extend(lookup.claims(claims).await);
+    }
+    let lookups = classes_to_look_up(pod, namespace, &facts);
+    if !lookups.names.is_empty() {
+        facts.classes.extend(lookup.classes(lookups.names).await);
+    }
+    if lookups.default_class {
+        facts.default_class = Some(lookup.default_class().await);
+    }
+    facts
+}
+
+/// [`gather`] from a lookup that answers at once (a cache or an index), without an executor.
+/// A lookup whose answer is not ready at once finds nothing (never the case for a cache).
+pub fn gather_now(pod: &Pod, namespace: &str, lookup: &impl Lookup) -> VolumeFacts {
+    use futures::FutureExt;
+    gather(pod, namespace, lookup)
+        .now_or_never()
+        .unwrap_or_default()
+}
 
 /// Everything the shell looked up for one pod. An absent map entry and a `None` entry both
 /// mean "missing"; keeping `None` lets the shell remember a failed GET.

@@ -10,7 +10,7 @@ fn base_only() -> TestEnvBuilder {
     TestEnv::builder()
         .nodes(2)
         .drivers(testenv::node_processes::DriverOptions::default())
-        .controller(["!--webhook-address"])
+        .controller_without_webhook(Vec::<String>::new())
         .kubelet()
 }
 

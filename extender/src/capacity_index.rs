@@ -8,6 +8,7 @@
 //! number at which it last changed, so that allocations the published free list cannot reflect
 //! yet are known (they are placed into the pools again by the fit).
 
+use controllers::pod_volumes::Lookup;
 use controllers::volume_cost::{VolumeOverhead, volume_cost};
 use controllers::volume_facts::{
     Binding, ClaimFacts, ClaimKey, ClassFacts, capacity_node, default_class, is_ours,
@@ -714,6 +715,33 @@ impl CapacityIndex {
             self.allocations
                 .insert(key.clone(), Allocation { node, size, seq });
         }
+    }
+}
+
+/// The index answers a pod's lookups from what its watches have seen (no request ever waits
+/// for the apiserver on the /filter path).
+impl Lookup for CapacityIndex {
+    async fn claims(&self, keys: Vec<ClaimKey>) -> Vec<(ClaimKey, Option<ClaimFacts>)> {
+        keys.into_iter()
+            .map(|key| {
+                let found = self.claim(&key).cloned();
+                (key, found)
+            })
+            .collect()
+    }
+
+    async fn classes(&self, names: Vec<String>) -> Vec<(String, Option<ClassFacts>)> {
+        names
+            .into_iter()
+            .map(|name| {
+                let found = self.class(&name).cloned();
+                (name, found)
+            })
+            .collect()
+    }
+
+    async fn default_class(&self) -> Option<ClassFacts> {
+        CapacityIndex::default_class(self).cloned()
     }
 }
 

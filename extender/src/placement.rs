@@ -368,20 +368,7 @@ impl ExtenderState {
     }
 
     fn facts(&self, pod: &Pod, namespace: &str) -> VolumeFacts {
-        let mut facts = VolumeFacts::default();
-        for key in pod_volumes::claims_to_look_up(pod, namespace) {
-            let found = self.index.claim(&key).cloned();
-            facts.claims.insert(key, found);
-        }
-        let lookups = pod_volumes::classes_to_look_up(pod, namespace, &facts);
-        for name in lookups.names {
-            let found = self.index.class(&name).cloned();
-            facts.classes.insert(name, found);
-        }
-        if lookups.default_class {
-            facts.default_class = Some(self.index.default_class().cloned());
-        }
-        facts
+        pod_volumes::gather_now(pod, namespace, &self.index)
     }
 
     /// The fit inputs of `node` for a pod with `demand`; `None` when the node published no

@@ -4,6 +4,7 @@
 //! No containers, no kubelet.
 
 pub mod audit;
+pub mod builder;
 pub mod control_plane;
 pub mod csi_client;
 pub mod csi_sanity;
@@ -36,6 +37,8 @@ use std::sync::OnceLock;
 use tokio::runtime::Handle;
 use tokio_util::sync::CancellationToken;
 
+use builder::ControllerSetup;
+pub use builder::TestEnvBuilder;
 pub use control_plane::{ControlPlane, ControlPlaneError};
 pub use leftovers::Leftovers;
 pub use nodes::{DEFAULT_DRIVER_NAME, NodeSpec};
@@ -92,154 +95,6 @@ pub enum TestEnvError {
     },
 }
 
-/// How to build a [`TestEnv`].
-#[derive(Clone, Debug)]
-pub struct TestEnvBuilder {
-    nodes: Vec<NodeSpec>,
-    driver_name: String,
-    scheduler: SchedulerConfig,
-    drivers: Option<node_processes::DriverOptions>,
-    extender: Option<Vec<String>>,
-    token_renewal: std::time::Duration,
-    idle_control_plane: bool,
-    controller: Option<Vec<String>>,
-    kubelet: bool,
-    extender_env: Vec<(String, String)>,
-    fault_proxy: bool,
-    private_audit_log: bool,
-}
-
-impl Default for TestEnvBuilder {
-    fn default() -> Self {
-        Self {
-            nodes: Vec::new(),
-            driver_name: DEFAULT_DRIVER_NAME.to_string(),
-            scheduler: SchedulerConfig::default(),
-            drivers: None,
-            extender: None,
-            token_renewal: service_accounts::TOKEN_LIFETIME / 3,
-            idle_control_plane: false,
-            controller: None,
-            kubelet: false,
-            extender_env: Vec::new(),
-            fault_proxy: false,
-            private_audit_log: false,
-        }
-    }
-}
-
-impl TestEnvBuilder {
-    /// Runs `pmem-csi controller` as the scheduler-extender component configures it (webhook
-    /// included, its MutatingWebhookConfiguration pointing at it), changed by `args` (test items
-    /// as [`manifests::Overrides::from_args`] reads them); start waits until the webhook serves
-    /// with its CA injected, so that no pod created afterwards bypasses it. With
-    /// `!--webhook-address` among `args` it runs as the base installs it, without the webhook.
-    pub fn controller<I, S>(mut self, args: I) -> Self
-    where
-        I: IntoIterator<Item = S>,
-        S: Into<String>,
-    {
-        self.controller = Some(args.into_iter().map(Into::into).collect());
-        self
-    }
-
-    /// Puts a [`fault_proxy::FaultProxy`] between every ServiceAccount of ours (controller,
-    /// extender, node drivers, csi-provisioner) and the apiserver, so that a test can make the
-    /// apiserver answer 429 and 5xx for a while ([`TestEnv::fault_proxy`]).
-    pub fn http_fault_proxy(mut self) -> Self {
-        self.fault_proxy = true;
-        self
-    }
-
-    /// Keeps this testenv's audit log out of `PMEM_CSI_AUDIT_DIR`, so that the least-privilege
-    /// check does not read it: fault tests restart the apiserver and etcd, and an apiserver
-    /// whose authorizer has not synced yet denies requests that RBAC grants.
-    pub fn private_audit_log(mut self) -> Self {
-        self.private_audit_log = true;
-        self
-    }
-
-    /// Sets environment variable `key` of the extender (for example `RUST_LOG`).
-    pub fn extender_env(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
-        self.extender_env.push((key.into(), value.into()));
-        self
-    }
-
-    /// Runs the simulated kubelet ([`kubelet::Kubelet`]) for the nodes whose driver testenv
-    /// runs (needs [`TestEnvBuilder::drivers`]).
-    pub fn kubelet(mut self) -> Self {
-        self.kubelet = true;
-        self
-    }
-
-    /// Adds `n` nodes that run the driver, named `node-1` … `node-n` after those already added.
-    pub fn nodes(mut self, n: usize) -> Self {
-        let start = self.nodes.len();
-        self.nodes
-            .extend((start + 1..=start + n).map(|i| NodeSpec::with_driver(format!("node-{i}"))));
-        self
-    }
-
-    /// Adds one node.
-    pub fn node(mut self, node: NodeSpec) -> Self {
-        self.nodes.push(node);
-        self
-    }
-
-    /// Sets the CSI driver name (default `pmem-csi.intel.com`).
-    pub fn driver_name(mut self, name: impl Into<String>) -> Self {
-        self.driver_name = name.into();
-        self
-    }
-
-    /// Runs, on every node meant for the driver, a supervised `pmem-csi node` and a supervised
-    /// csi-provisioner in node-deployment mode.
-    pub fn drivers(mut self, options: node_processes::DriverOptions) -> Self {
-        self.drivers = Some(options);
-        self
-    }
-
-    /// Runs a supervised `pmem-csi extender` with `args` (besides address, driver name and node
-    /// selector) and configures kube-scheduler with the extender entry of
-    /// `manifests/scheduler/`, on a free port.
-    pub fn extender<I, S>(mut self, args: I) -> Self
-    where
-        I: IntoIterator<Item = S>,
-        S: Into<String>,
-    {
-        self.extender = Some(args.into_iter().map(Into::into).collect());
-        self
-    }
-
-    /// How often the ServiceAccount tokens are renewed (default a third of their lifetime;
-    /// tests shorten it to see renewal work).
-    pub fn token_renewal(mut self, every: std::time::Duration) -> Self {
-        self.token_renewal = every;
-        self
-    }
-
-    /// Runs etcd, kube-apiserver, kube-controller-manager and kube-scheduler under
-    /// `SCHED_IDLE`, so that they run only when our processes leave a CPU free. For latency
-    /// benchmarks on small machines: there the control plane's garbage-collection bursts take
-    /// both CPUs for milliseconds and land in the measured latencies of our servers, which in a
-    /// cluster do not share two CPUs with an API server.
-    pub fn control_plane_at_idle_priority(mut self) -> Self {
-        self.idle_control_plane = true;
-        self
-    }
-
-    /// Replaces the kube-scheduler configuration.
-    pub fn scheduler(mut self, config: SchedulerConfig) -> Self {
-        self.scheduler = config;
-        self
-    }
-
-    /// Starts everything on the current tokio runtime.
-    pub async fn start(self) -> Result<TestEnv, TestEnvError> {
-        TestEnv::start(self, Handle::current()).await
-    }
-}
-
 /// A running testenv. Dropping it kills every process it started; [`TestEnv::stop`] stops them
 /// gracefully and removes its directory.
 #[derive(Debug)]
@@ -274,7 +129,10 @@ impl TestEnv {
         TestEnvBuilder::default()
     }
 
-    async fn start(mut builder: TestEnvBuilder, runtime: Handle) -> Result<Self, TestEnvError> {
+    pub(crate) async fn start(
+        mut builder: TestEnvBuilder,
+        runtime: Handle,
+    ) -> Result<Self, TestEnvError> {
         let tools = Tools::locate()?;
         let parent = std::env::temp_dir();
         leftovers::remove_stale_work_dirs(&parent);
@@ -469,8 +327,8 @@ impl TestEnv {
                     .push(processes);
             }
         }
-        if let Some(args) = builder.controller.take() {
-            env.controller = Some(env.start_controller(&client, &args).await?);
+        if let Some(setup) = builder.controller.take() {
+            env.controller = Some(env.start_controller(&client, &setup).await?);
         }
         if builder.kubelet {
             let nodes = env
@@ -500,17 +358,20 @@ impl TestEnv {
     async fn start_controller(
         &self,
         client: &kube::Client,
-        args: &[String],
+        setup: &ControllerSetup,
     ) -> Result<ControllerProcess, TestEnvError> {
         use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
         let (webhook, admin) = (ports::free_port()?, ports::free_port()?);
-        let with_webhook = !args.iter().any(|a| a == "!--webhook-address");
+        let with_webhook = setup.webhook;
         let mut all = vec![format!("--admin-address=127.0.0.1:{admin}")];
         if with_webhook {
             all.push(format!("--webhook-address=127.0.0.1:{webhook}"));
             all.push("--self-signed-san=127.0.0.1".to_string());
+        } else {
+            // The base's container has no webhook flags; `!` removes one should a test give it.
+            all.push("!--webhook-address".to_string());
         }
-        all.extend(args.iter().cloned());
+        all.extend(setup.args.iter().cloned());
         let spec = self.our_process(
             manifests::OurContainer::Controller,
             "controller",

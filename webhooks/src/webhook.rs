@@ -2,6 +2,7 @@
 //! `/pod/mutate`, and the lookups the decision needs (shared caches first, then GETs for the
 //! misses, in parallel under one deadline). The decision itself is [`crate::mutation::decide`].
 
+use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -32,7 +33,7 @@ use crate::admission;
 use crate::https::HttpsServer;
 use crate::mutation::{self, Decision, WebhookPolicy};
 use crate::tls::{CertFiles, CertResolver};
-use controllers::pod_volumes::{self, ClaimFacts, ClassFacts, VolumeFacts};
+use controllers::pod_volumes::{self, ClaimFacts, ClaimKey, ClassFacts};
 use controllers::volume_facts::default_class;
 
 /// The apiserver's own request limit; a review is never larger.
@@ -413,43 +414,12 @@ async fn decide(shared: &Shared, request: &admission::AdmissionRequest) -> Decis
         return Decision::Unchanged(reason);
     }
     let namespace = mutation::pod_namespace(pod, &request.namespace).to_string();
-    let deadline = tokio::time::Instant::now() + LOOKUPS_DEADLINE;
-    let mut facts = VolumeFacts::default();
-    let fetchable = pod_volumes::claims_to_fetch(pod, &namespace);
-    let mut missing = Vec::new();
-    for key in pod_volumes::claims_to_look_up(pod, &namespace) {
-        match cached_claim(shared, &key) {
-            Some(found) => {
-                facts.claims.insert(key, Some(found));
-            }
-            None if fetchable.contains(&key) => missing.push(key),
-            // A generic ephemeral volume's claim is made after its pod: at admission it
-            // cannot exist, so no GET is spent on it.
-            None => {
-                shared.metrics.lookup("claim", "missing");
-                facts.claims.insert(key, None);
-            }
-        }
-    }
-    for (key, found) in fetch_all(missing, deadline, |key| fetch_claim(shared, key)).await {
-        facts.claims.insert(key, found);
-    }
-    let lookups = pod_volumes::classes_to_look_up(pod, &namespace, &facts);
-    let mut missing = Vec::new();
-    for name in lookups.names {
-        match cached_class(shared, &name) {
-            Some(found) => {
-                facts.classes.insert(name, Some(found));
-            }
-            None => missing.push(name),
-        }
-    }
-    for (name, found) in fetch_all(missing, deadline, |name| fetch_class(shared, name)).await {
-        facts.classes.insert(name, found);
-    }
-    if lookups.default_class {
-        facts.default_class = Some(cached_default_class(&shared.stores.classes));
-    }
+    let lookup = ReviewLookup {
+        shared,
+        fetchable: pod_volumes::claims_to_fetch(pod, &namespace),
+        deadline: tokio::time::Instant::now() + LOOKUPS_DEADLINE,
+    };
+    let facts = pod_volumes::gather(pod, &namespace, &lookup).await;
     mutation::decide(
         pod,
         request.operation,
@@ -472,7 +442,7 @@ where
     Fut: std::future::Future<Output = Option<T>> + 'a,
 {
     use futures::StreamExt;
-    let mut pending: std::collections::BTreeSet<K> = keys.iter().cloned().collect();
+    let mut pending: BTreeSet<K> = keys.iter().cloned().collect();
     let mut answers = futures::stream::iter(keys)
         .map(|key| {
             let fetched = fetch(key.clone());
@@ -493,6 +463,96 @@ where
     }
     out.extend(pending.into_iter().map(|key| (key, None)));
     out
+}
+
+/// The lookups of one review: the caches first; a claim the pod names and the cache misses
+/// (created right before its pod), and a missing class, by GET, at most
+/// [`PARALLEL_LOOKUPS`] at once and all before `deadline`.
+struct ReviewLookup<'a> {
+    shared: &'a Shared,
+    /// The claims worth a GET: a generic ephemeral volume's claim is made after its pod, so at
+    /// admission it cannot exist.
+    fetchable: BTreeSet<ClaimKey>,
+    deadline: tokio::time::Instant,
+}
+
+impl pod_volumes::Lookup for ReviewLookup<'_> {
+    async fn claims(&self, keys: Vec<ClaimKey>) -> Vec<(ClaimKey, Option<ClaimFacts>)> {
+        let mut found = Vec::with_capacity(keys.len());
+        let mut missing = Vec::new();
+        for key in keys {
+            match cached_claim(self.shared, &key) {
+                Some(claim) => found.push((key, Some(claim))),
+                None if self.fetchable.contains(&key) => missing.push(key),
+                None => {
+                    self.shared.metrics.lookup("claim", "missing");
+                    found.push((key, None));
+                }
+            }
+        }
+        found.extend(fetch_all(missing, self.deadline, |key| fetch_claim(self.shared, key)).await);
+        found
+    }
+
+    async fn classes(&self, names: Vec<String>) -> Vec<(String, Option<ClassFacts>)> {
+        let mut found = Vec::with_capacity(names.len());
+        let mut missing = Vec::new();
+        for name in names {
+            match cached_class(self.shared, &name) {
+                Some(class) => found.push((name, Some(class))),
+                None => missing.push(name),
+            }
+        }
+        found.extend(
+            fetch_all(missing, self.deadline, |name| {
+                fetch_class(self.shared, name)
+            })
+            .await,
+        );
+        found
+    }
+
+    async fn default_class(&self) -> Option<ClassFacts> {
+        cached_default_class(&self.shared.stores.classes)
+    }
+}
+
+/// The lookups of the bypass reporting: the caches alone (a miss counts as not found).
+struct CacheLookup<'a> {
+    stores: &'a Stores,
+}
+
+impl pod_volumes::Lookup for CacheLookup<'_> {
+    async fn claims(&self, keys: Vec<ClaimKey>) -> Vec<(ClaimKey, Option<ClaimFacts>)> {
+        keys.into_iter()
+            .map(|key| {
+                let claim = self
+                    .stores
+                    .claims
+                    .get(&ObjectRef::<PersistentVolumeClaim>::new(&key.name).within(&key.namespace))
+                    .map(|c| ClaimFacts::from(c.as_ref()));
+                (key, claim)
+            })
+            .collect()
+    }
+
+    async fn classes(&self, names: Vec<String>) -> Vec<(String, Option<ClassFacts>)> {
+        names
+            .into_iter()
+            .map(|name| {
+                let class = self
+                    .stores
+                    .classes
+                    .get(&ObjectRef::<StorageClass>::new(&name))
+                    .map(|c| ClassFacts::from(c.as_ref()));
+                (name, class)
+            })
+            .collect()
+    }
+
+    async fn default_class(&self) -> Option<ClassFacts> {
+        cached_default_class(&self.stores.classes)
+    }
 }
 
 /// The cluster's default class among the cached ones.
@@ -571,25 +631,7 @@ pub fn pod_relevance(stores: Stores, policy: WebhookPolicy) -> controllers::bypa
             return false;
         }
         let namespace = pod.metadata.namespace.clone().unwrap_or_default();
-        let mut facts = VolumeFacts::default();
-        for key in pod_volumes::claims_to_look_up(pod, &namespace) {
-            let found = stores
-                .claims
-                .get(&ObjectRef::<PersistentVolumeClaim>::new(&key.name).within(&key.namespace))
-                .map(|c| ClaimFacts::from(c.as_ref()));
-            facts.claims.insert(key, found);
-        }
-        let lookups = pod_volumes::classes_to_look_up(pod, &namespace, &facts);
-        for name in lookups.names {
-            let found = stores
-                .classes
-                .get(&ObjectRef::<StorageClass>::new(&name))
-                .map(|c| ClassFacts::from(c.as_ref()));
-            facts.classes.insert(name, found);
-        }
-        if lookups.default_class {
-            facts.default_class = Some(cached_default_class(&stores.classes));
-        }
+        let facts = pod_volumes::gather_now(pod, &namespace, &CacheLookup { stores: &stores });
         !pod_volumes::pending_volumes(pod, &namespace, &policy.driver, &facts).is_empty()
     })
 }
