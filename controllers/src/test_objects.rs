@@ -98,7 +98,7 @@ pub fn volume(name: &str, node: &str, size: &str, claim: Option<&str>) -> Persis
                 required: Some(NodeSelector {
                     node_selector_terms: vec![NodeSelectorTerm {
                         match_expressions: Some(vec![NodeSelectorRequirement {
-                            key: format!("{DRIVER}/node"),
+                            key: crate::well_known::topology_key(DRIVER),
                             operator: "In".into(),
                             values: Some(vec![node.into()]),
                         }]),
@@ -203,7 +203,9 @@ pub fn managed_capacity(
         },
         storage_class_name: "c".into(),
         node_topology: Some(LabelSelector {
-            match_labels: Some([(format!("{DRIVER}/node"), node.to_string())].into()),
+            match_labels: Some(
+                [(crate::well_known::topology_key(DRIVER), node.to_string())].into(),
+            ),
             ..Default::default()
         }),
         capacity: Some(Quantity(free.into())),

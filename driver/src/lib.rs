@@ -254,7 +254,7 @@ impl NodeDriver {
 
     /// Serves CSI until `shutdown`, then lets in-flight RPCs finish.
     pub async fn serve(self, shutdown: CancellationToken) -> Result<(), DriverError> {
-        let topology_key = format!("{}/node", self.config.driver_name);
+        let topology_key = controllers::well_known::topology_key(&self.config.driver_name);
         let identity = identity::IdentityService {
             name: self.config.driver_name.clone(),
             version: env!("CARGO_PKG_VERSION").to_string(),

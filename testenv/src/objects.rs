@@ -106,7 +106,7 @@ pub fn csi_volume(
                 required: Some(NodeSelector {
                     node_selector_terms: vec![NodeSelectorTerm {
                         match_expressions: Some(vec![NodeSelectorRequirement {
-                            key: format!("{driver}/node"),
+                            key: topology_key(driver),
                             operator: "In".into(),
                             values: Some(vec![node.into()]),
                         }]),
