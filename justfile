@@ -133,6 +133,8 @@ faults RUNS="3": tools
     set -euo pipefail
     figures=$(mktemp)
     trap 'rm -f "$figures"' EXIT
+    # The suite pauses the driver inside NodeStage: the binary needs the test hooks.
+    cargo build --bin pmem-csi --features test-hooks
     for i in $(seq {{RUNS}}); do
         echo "fault suite, run $i of {{RUNS}}"
         env -u KUBECONFIG PMEM_CSI_FAULT_FIGURES="$figures" cargo test -p e2e --test faults -- --test-threads=1

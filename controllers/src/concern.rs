@@ -11,22 +11,29 @@ use tokio_util::sync::CancellationToken;
 
 use crate::leader::{LeaderMetrics, LeaderSettings};
 
-/// Starts one run of a concern, given the token that ends it (on shutdown, or when this
-/// instance stops leading).
-pub type ConcernStart = Box<dyn Fn(CancellationToken) -> BoxFuture<'static, ()> + Send + Sync>;
+/// One run of an every-instance concern, until its token ends it; an error ends the process.
+type RunOnce = Box<dyn FnOnce(CancellationToken) -> BoxFuture<'static, Result<(), String>> + Send>;
+
+/// Starts one run of a leader-only concern, given the token that ends it (on shutdown, or when
+/// this instance stops leading).
+type RunWhileLeading = Box<dyn Fn(CancellationToken) -> BoxFuture<'static, ()> + Send + Sync>;
+
+enum Run {
+    Everywhere(RunOnce),
+    LeaderOnly(RunWhileLeading),
+}
 
 /// One thing a process does.
 pub struct Concern {
     name: String,
-    leader_only: bool,
-    start: ConcernStart,
+    run: Run,
 }
 
 impl std::fmt::Debug for Concern {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Concern")
             .field("name", &self.name)
-            .field("leader_only", &self.leader_only)
+            .field("leader_only", &self.is_leader_only())
             .finish_non_exhaustive()
     }
 }
@@ -39,22 +46,30 @@ impl Concern {
         F: FnOnce(CancellationToken) -> Fut + Send + 'static,
         Fut: Future<Output = ()> + Send + 'static,
     {
-        // Started exactly once by [`host`]; the slot only turns the FnOnce into the Fn that
-        // leader-only concerns need.
-        let slot = std::sync::Mutex::new(Some(run));
         Concern {
             name: name.into(),
-            leader_only: false,
-            start: Box::new(move |token| {
-                let run = slot
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .take();
-                match run {
-                    Some(run) => Box::pin(run(token)),
-                    None => Box::pin(async {}),
-                }
-            }),
+            run: Run::Everywhere(Box::new(move |token| {
+                Box::pin(async move {
+                    run(token).await;
+                    Ok(())
+                })
+            })),
+        }
+    }
+
+    /// [`Concern::everywhere`] for a server that can fail: its error ends the process with a
+    /// failure, also when it comes while shutting down.
+    pub fn everywhere_fallible<F, Fut, E>(name: impl Into<String>, run: F) -> Self
+    where
+        F: FnOnce(CancellationToken) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<(), E>> + Send + 'static,
+        E: std::fmt::Display,
+    {
+        Concern {
+            name: name.into(),
+            run: Run::Everywhere(Box::new(move |token| {
+                Box::pin(async move { run(token).await.map_err(|e| e.to_string()) })
+            })),
         }
     }
 
@@ -68,8 +83,7 @@ impl Concern {
     {
         Concern {
             name: name.into(),
-            leader_only: true,
-            start: Box::new(move |token| Box::pin(run(token))),
+            run: Run::LeaderOnly(Box::new(move |token| Box::pin(run(token)))),
         }
     }
 
@@ -80,7 +94,7 @@ impl Concern {
 
     /// Whether only the leader runs it.
     pub fn is_leader_only(&self) -> bool {
-        self.leader_only
+        matches!(self.run, Run::LeaderOnly(_))
     }
 }
 
@@ -103,36 +117,46 @@ pub struct Elector {
     pub metrics: LeaderMetrics,
 }
 
-/// A concern that ended before shutdown.
+/// Why hosting ended other than by shutdown.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0} stopped unexpectedly")]
-pub struct ConcernEnded(pub String);
+pub enum ConcernError {
+    /// A concern returned before shutdown.
+    #[error("{0} stopped unexpectedly")]
+    Stopped(String),
+    /// A concern failed.
+    #[error("{name}: {error}")]
+    Failed {
+        /// The concern.
+        name: String,
+        /// Its error.
+        error: String,
+    },
+}
 
 /// Runs `concerns` until `shutdown`: the everywhere ones once, the leader-only ones while this
 /// instance leads their Lease (with `elector`; without, always). Returns once every concern has
-/// ended and every election has released its Lease, or with the name of a concern that ended
-/// before `shutdown` (the caller stops the process: kubelet restarts it).
+/// ended and every election has released its Lease, or with the first concern that failed or
+/// ended before `shutdown` (the caller stops the process: kubelet restarts it). A leader-only
+/// concern that returns while still leading is started again, as after a regained leadership.
 pub async fn host(
     concerns: Vec<Concern>,
     elector: Option<Elector>,
     shutdown: CancellationToken,
-) -> Result<(), ConcernEnded> {
+) -> Result<(), ConcernError> {
     let mut running = JoinSet::new();
     let mut elections = JoinSet::new();
-    for concern in concerns {
-        let Concern {
-            name,
-            leader_only,
-            start,
-        } = concern;
+    for Concern { name, run } in concerns {
         let token = shutdown.clone();
-        if !leader_only {
-            running.spawn(async move {
-                start(token).await;
-                name
-            });
-            continue;
-        }
+        let start = match run {
+            Run::Everywhere(run) => {
+                running.spawn(async move {
+                    let result = run(token).await;
+                    (name, result)
+                });
+                continue;
+            }
+            Run::LeaderOnly(start) => start,
+        };
         let leading = match &elector {
             None => tokio::sync::watch::channel(true).1,
             Some(elector) => {
@@ -157,24 +181,27 @@ pub async fn host(
             // The closure owns `start`: the task outlives this loop.
             #[allow(clippy::redundant_closure)]
             crate::leader::while_leading(leading, token, move |term| start(term)).await;
-            name
+            (name, Ok(()))
         });
     }
-    let mut ended_early = None;
+    let mut first_error = None;
     while let Some(ended) = running.join_next().await {
-        let name = match ended {
-            Ok(name) => name,
-            Err(e) => format!("a concern that panicked ({e})"),
+        let error = match ended {
+            Ok((name, Err(error))) => ConcernError::Failed { name, error },
+            Ok((_, Ok(()))) if shutdown.is_cancelled() => continue,
+            Ok((name, Ok(()))) => ConcernError::Stopped(name),
+            Err(e) => ConcernError::Failed {
+                name: "a concern".into(),
+                error: format!("panicked: {e}"),
+            },
         };
-        if !shutdown.is_cancelled() && ended_early.is_none() {
-            tracing::error!(concern = %name, "stopped unexpectedly");
-            ended_early = Some(name);
-            // One concern down is the process down: end the others, release the Leases.
-            shutdown.cancel();
-        }
+        tracing::error!("{error}");
+        // One concern down is the process down: end the others, release the Leases.
+        shutdown.cancel();
+        first_error.get_or_insert(error);
     }
     while elections.join_next().await.is_some() {}
-    ended_early.map_or(Ok(()), |name| Err(ConcernEnded(name)))
+    first_error.map_or(Ok(()), Err)
 }
 
 #[cfg(test)]
@@ -234,8 +261,33 @@ mod tests {
             shutdown.clone(),
         )
         .await;
-        assert_eq!(result, Err(ConcernEnded("quitter".into())));
+        assert_eq!(result, Err(ConcernError::Stopped("quitter".into())));
         assert!(shutdown.is_cancelled());
         assert_eq!(other_ended.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn a_failure_during_shutdown_still_fails_the_process() {
+        let shutdown = CancellationToken::new();
+        shutdown.cancel();
+        let result = host(
+            vec![Concern::everywhere_fallible(
+                "server",
+                |token: CancellationToken| async move {
+                    token.cancelled().await;
+                    Err::<(), _>("draining failed")
+                },
+            )],
+            None,
+            shutdown,
+        )
+        .await;
+        assert_eq!(
+            result,
+            Err(ConcernError::Failed {
+                name: "server".into(),
+                error: "draining failed".into()
+            })
+        );
     }
 }

@@ -18,7 +18,7 @@ use prometheus_client::registry::Registry;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::concern::{Concern, ConcernEnded, Elector};
+use crate::concern::{Concern, ConcernError, Elector};
 use crate::flags::{ClientBudget, FlagError, KubeApiArgs, LivenessArgs, duration};
 use crate::leader::LeaderMetrics;
 use crate::liveness_view::{LivenessSettings, LivenessView};
@@ -168,7 +168,8 @@ pub struct ControllerProcess {
     client: kube::Client,
     election_client: kube::Client,
     stores: Stores,
-    claim_events: ReflectHandle<PersistentVolumeClaim>,
+    /// Taken by the claim forwarder when the caches have synced.
+    claim_events: Option<ReflectHandle<PersistentVolumeClaim>>,
     tasks: JoinSet<()>,
     synced: ReadyFlag,
     rescheduler_metrics: ReschedulerMetrics,
@@ -222,7 +223,7 @@ impl ControllerProcess {
             client,
             election_client,
             stores,
-            claim_events,
+            claim_events: Some(claim_events),
             tasks,
             synced: readiness.register("stores-synced"),
             rescheduler_metrics: ReschedulerMetrics::register(registry),
@@ -251,19 +252,44 @@ impl ControllerProcess {
         &self.config
     }
 
-    /// Adds a concern, hosted with the built-in ones once the caches have synced.
+    /// Adds a concern: an every-instance one (a server) is hosted at once, a leader-only one
+    /// with the built-in ones once the caches have synced.
     pub fn add_concern(&mut self, concern: Concern) {
         self.concerns.push(concern);
     }
 
-    /// Waits for the caches, then hosts every concern until `shutdown` (see
-    /// [`crate::concern::host`]): the rescheduler and the capacity clean-up, the claim
-    /// forwarder, and those added.
-    pub async fn run(mut self, shutdown: CancellationToken) -> Result<(), ConcernEnded> {
+    /// Hosts every concern until `shutdown` (see [`crate::concern::host`]): the added
+    /// every-instance ones (the webhook's server and certificate) at once; once the caches have
+    /// synced the rest: the liveness observer, the claim forwarder, the rescheduler and the
+    /// capacity clean-up, and the added leader-only ones, which act on what the caches hold.
+    pub async fn run(mut self, shutdown: CancellationToken) -> Result<(), ConcernError> {
+        let (at_once, after_sync): (Vec<Concern>, Vec<Concern>) =
+            std::mem::take(&mut self.concerns)
+                .into_iter()
+                .partition(|c| !c.is_leader_only());
+        let serving = tokio::spawn(crate::concern::host(at_once, None, shutdown.clone()));
+        let hosted = self.run_after_sync(after_sync, &shutdown).await;
+        // The servers end on the same shutdown (hosting cancels it when one of them fails).
+        shutdown.cancel();
+        let served = serving.await.unwrap_or_else(|e| {
+            Err(ConcernError::Failed {
+                name: "the servers".into(),
+                error: format!("panicked: {e}"),
+            })
+        });
+        self.tasks.abort_all();
+        served.and(hosted)
+    }
+
+    async fn run_after_sync(
+        &mut self,
+        added: Vec<Concern>,
+        shutdown: &CancellationToken,
+    ) -> Result<(), ConcernError> {
         tokio::select! {
             ready = self.stores.wait_ready() => {
                 if ready.is_err() {
-                    return Err(ConcernEnded("a watch of the shared caches".into()));
+                    return Err(ConcernError::Stopped("a watch of the shared caches".into()));
                 }
             }
             _ = shutdown.cancelled() => return Ok(()),
@@ -298,7 +324,10 @@ impl ControllerProcess {
             self.config.reporter(),
         );
         let claims = self.stores.claims.clone();
-        concerns.extend(rescheduler_concerns(self.claim_events, claims, move || {
+        let Some(claim_events) = self.claim_events.take() else {
+            return Err(ConcernError::Stopped("the shared claim watch".into()));
+        };
+        concerns.extend(rescheduler_concerns(claim_events, claims, move || {
             Rescheduler::new(
                 client.clone(),
                 stores.clone(),
@@ -308,7 +337,7 @@ impl ControllerProcess {
                 reconciles.clone(),
             )
         }));
-        concerns.append(&mut self.concerns);
+        concerns.extend(added);
         let elector = self.config.leader_election.as_ref().map(|e| Elector {
             client: self.election_client.clone(),
             driver: self.config.driver_name().to_string(),
@@ -318,9 +347,7 @@ impl ControllerProcess {
             retry_period: e.retry_period,
             metrics: self.leader_metrics.clone(),
         });
-        let hosted = crate::concern::host(concerns, elector, shutdown).await;
-        self.tasks.abort_all();
-        hosted
+        crate::concern::host(concerns, elector, shutdown.clone()).await
     }
 }
 

@@ -60,7 +60,8 @@ pub fn schedule() -> ExponentialBackoff {
 
 /// The delay after `failures` consecutive failures (≥ 1).
 pub fn delay(failures: u32) -> Duration {
-    let skip = usize::try_from(failures.saturating_sub(1)).unwrap_or(usize::MAX);
+    // Past 64 doublings every delay is MAX.
+    let skip = usize::try_from(failures.saturating_sub(1).min(64)).unwrap_or(64);
     schedule().nth(skip).unwrap_or(MAX)
 }
 

@@ -52,13 +52,11 @@ pub async fn gather(pod: &Pod, namespace: &str, lookup: &impl Lookup) -> VolumeF
     facts
 }
 
-/// [`gather`] from a lookup that answers at once (a cache or an index), without an executor.
-/// A lookup whose answer is not ready at once finds nothing (never the case for a cache).
+/// [`gather`] from a lookup that answers at once (a cache or an index), from synchronous code:
+/// its futures are ready when first polled, so this never waits. (A lookup that had to wait
+/// would block the thread here, never answer from half the facts.)
 pub fn gather_now(pod: &Pod, namespace: &str, lookup: &impl Lookup) -> VolumeFacts {
-    use futures::FutureExt;
-    gather(pod, namespace, lookup)
-        .now_or_never()
-        .unwrap_or_default()
+    futures::executor::block_on(gather(pod, namespace, lookup))
 }
 
 /// Everything the shell looked up for one pod. An absent map entry and a `None` entry both

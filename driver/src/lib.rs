@@ -195,12 +195,13 @@ impl NodeDriver {
     ) -> Result<Vec<Concern>, DriverError> {
         let config = self.config.clone();
         let volumes = self.volumes.clone();
-        let mut concerns = vec![Concern::everywhere("csi-server", move |token| async move {
-            serving.set(true);
-            if let Err(e) = self.serve(token).await {
-                tracing::error!("serving CSI: {e}");
-            }
-        })];
+        let mut concerns = vec![Concern::everywhere_fallible(
+            "csi-server",
+            move |token| async move {
+                serving.set(true);
+                self.serve(token).await
+            },
+        )];
         if config.standalone {
             return Ok(concerns);
         }

@@ -285,13 +285,9 @@ impl Extender {
 
     /// The extender as the process hosts it: one concern, serving until shutdown.
     pub fn concerns(self) -> Vec<controllers::concern::Concern> {
-        vec![controllers::concern::Concern::everywhere(
+        vec![controllers::concern::Concern::everywhere_fallible(
             "extender",
-            move |token| async move {
-                if let Err(e) = self.run(token).await {
-                    tracing::error!("serving the extender: {e}");
-                }
-            },
+            move |token| self.run(token),
         )]
     }
 

@@ -3,7 +3,7 @@
 //! node's CSINode lists the driver once the driver serves, as node-driver-registrar and kubelet
 //! would arrange.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use k8s_openapi::api::storage::v1::CSINode;
@@ -81,6 +81,17 @@ pub enum NodeProcessesError {
         /// Why.
         source: ManifestError,
     },
+    /// The test asks for a test hook the driver binary was built without.
+    #[error(
+        "{variable} asked for, but {binary} was built without the driver's test-hooks feature \
+         (cargo build --workspace, or --features test-hooks); the hook would be ignored"
+    )]
+    TestHooksMissing {
+        /// The hook's environment variable.
+        variable: String,
+        /// The binary.
+        binary: PathBuf,
+    },
     /// The CSINode could not be updated.
     #[error("registering the driver in CSINode {node}: {source}")]
     CsiNode {
@@ -89,6 +100,33 @@ pub enum NodeProcessesError {
         /// Why.
         source: kube::Error,
     },
+}
+
+/// The prefix of the driver's test hooks' environment variables (`PMEM_CSI_TEST_DELAY`, …).
+const TEST_HOOK_PREFIX: &str = "PMEM_CSI_TEST_";
+
+/// Whether `binary` contains the text `name` (a test hook reads its variable by that name).
+/// Answered once per binary and name: the debug binary is some 300 MB.
+fn binary_mentions(binary: &Path, name: &str) -> bool {
+    type Answers = std::sync::Mutex<std::collections::HashMap<(PathBuf, String), bool>>;
+    static ANSWERS: std::sync::OnceLock<Answers> = std::sync::OnceLock::new();
+    let key = (binary.to_path_buf(), name.to_string());
+    let answers = ANSWERS.get_or_init(Answers::default);
+    if let Some(known) = answers
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .get(&key)
+    {
+        return *known;
+    }
+    let found = std::fs::read(binary)
+        .map(|bytes| memchr::memmem::find(&bytes, name.as_bytes()).is_some())
+        .unwrap_or(false);
+    answers
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .insert(key, found);
+    found
 }
 
 /// testenv's overrides of the rendered `pmem-csi node` container for `node` (see
@@ -229,6 +267,22 @@ impl NodeLauncher {
             node: node.name.clone(),
             source,
         };
+        // A pause or fault point the binary lacks is silently ignored: the test would pass
+        // without testing what it means to. Say so instead.
+        if let Some((variable, _)) = self
+            .options
+            .env
+            .iter()
+            .find(|(k, _)| k.starts_with(TEST_HOOK_PREFIX))
+        {
+            let binary = self.tools.pmem_csi();
+            if !binary_mentions(binary, variable) {
+                return Err(NodeProcessesError::TestHooksMissing {
+                    variable: variable.clone(),
+                    binary: binary.to_path_buf(),
+                });
+            }
+        }
         let mut options = self.options.clone();
         if let Some(size) = &node.size {
             options.size = size.clone();

@@ -95,13 +95,9 @@ pub async fn add(
         config.policy.clone(),
         WebhookMetrics::register(registry),
     );
-    process.add_concern(Concern::everywhere(
+    process.add_concern(Concern::everywhere_fallible(
         "webhook-server",
-        move |token| async move {
-            if let Err(e) = webhook::serve(server, router, resolver, token).await {
-                tracing::error!("serving the webhook: {e}");
-            }
-        },
+        move |token| webhook::serve(server, router, resolver, token),
     ));
     // Pods admitted while the webhook was unreachable: reported by the leader.
     let relevance = webhook::pod_relevance(process.stores(), config.policy.clone());
