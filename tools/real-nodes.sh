@@ -58,6 +58,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 TOP=${PMEM_CSI_REAL_NODES_DIR:-/tmp/pmem-csi-real-nodes}
 S=$TOP/state                       # all runtime state; removed by stop
 RUNDIR=/run/realnode               # namespace pin files (a private bind mount of itself)
+FORWARD_SAVED=$TOP/ip_forward.saved  # the host's net.ipv4.ip_forward before start, for stop
 K8S_BIN=$(bash "$here/build.sh" --print-dir)
 NODE_BIN=$(bash "$here/node-tools.sh" --print-dir)
 CNI_BIN=$(bash "$here/node-tools.sh" --print-cni-dir)
@@ -222,6 +223,15 @@ host_network() {
   ip link add "$BRIDGE" type bridge
   ip addr add "$HOST_IP/24" dev "$BRIDGE"
   ip link set "$BRIDGE" up
+  # A pod's packets to the other node's pods are routed by this host (pod subnet routes via the
+  # node IPs below), which needs IPv4 forwarding; a fresh machine has it off, and then every
+  # Service request that kube-proxy sends to the other node's endpoint times out. stop restores
+  # the previous value.
+  mkdir -p "$TOP"
+  if [[ ! -e $FORWARD_SAVED ]]; then
+    sysctl -n net.ipv4.ip_forward >"$FORWARD_SAVED"
+  fi
+  sysctl -qw net.ipv4.ip_forward=1
 }
 
 start_control_plane() {
@@ -625,14 +635,21 @@ EOF
   # on a loaded machine the first request can come before that (seen: one timeout, then every
   # answer). Wait for the first answer, then require all eight.
   wait_for 60 "Service web ($ip) programmed on node-1" web_answers_node_1 "$ip"
-  for _ in 1 2 3 4 5 6 7 8; do
+  # Eight requests, then more until every endpoint has answered (kube-proxy picks at random;
+  # an endpoint on the other node that never answers is cross-node routing broken).
+  local pods missing i
+  pods=$($KUBECTL get pods -l app=web -o name)
+  for i in $(seq 32); do
     # (busybox 1.35's wget -T segfaults: exit 139; hence timeout(1))
     answers+="$($KUBECTL exec busybox-node-1 -- timeout 5 wget -qO- "http://$ip/" 2>&1 || echo FAILED) "
+    [[ $answers != *FAILED* ]] || die "busybox-node-1 -> Service web ($ip:80): $answers"
+    missing=""
+    for pod in $pods; do
+      [[ $answers == *"${pod#pod/}"* ]] || missing+=" ${pod#pod/}"
+    done
+    ((i >= 8)) && [[ -z $missing ]] && break
   done
-  [[ $answers != *FAILED* ]] || die "busybox-node-1 -> Service web ($ip:80): $answers"
-  for pod in $($KUBECTL get pods -l app=web -o name); do
-    [[ $answers == *"${pod#pod/}"* ]] || log "Service web: ${pod#pod/} not among 8 answers ($answers)"
-  done
+  [[ -z $missing ]] || die "Service web: never answered by$missing in 32 requests ($answers)"
   log "busybox-node-1 -> Service web ($ip:80) answered by: $answers"
   # kubelet's plugin watcher: a Unix socket appearing in node-1's /var/lib/kubelet/plugins_registry
   # must be picked up (it answers no gRPC, so registration fails; we only look for the attempt)
@@ -964,6 +981,9 @@ stop() {
     ip netns del "$(netns_name "$n")" 2>/dev/null || true
   done
   ip link del "$BRIDGE" 2>/dev/null || true
+  if [[ -e $FORWARD_SAVED ]]; then
+    sysctl -qw net.ipv4.ip_forward="$(cat "$FORWARD_SAVED")" && rm -f "$FORWARD_SAVED"
+  fi
   if mountpoint -q "$RUNDIR"; then umount "$RUNDIR"; fi
   rm -rf "$RUNDIR"
   # 4. loop devices of pods (e.g. pmem-csi's emulated PMEM) whose backing files are ours: their
