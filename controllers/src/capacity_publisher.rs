@@ -222,7 +222,7 @@ pub struct CapacityPublisher<S: CapacitySource> {
     client: kube::Client,
     publisher: Publisher,
     source: Arc<S>,
-    reconciles: ReconcileMetrics,
+    instrument: Instrument<Node>,
 }
 
 struct Context<S: CapacitySource> {
@@ -242,12 +242,11 @@ impl<S: CapacitySource> CapacityPublisher<S> {
         source: Arc<S>,
         reconciles: ReconcileMetrics,
     ) -> Self {
-        reconciles.precreate(CONTROLLER);
         Self {
             client,
             publisher,
             source,
-            reconciles,
+            instrument: Instrument::new(CONTROLLER, reconciles),
         }
     }
 
@@ -273,7 +272,7 @@ impl<S: CapacitySource> CapacityPublisher<S> {
         let changes = tokio_stream::wrappers::WatchStream::new(self.source.changes())
             .map(move |_| to_node_c());
         let ctx = Arc::new(Context {
-            instrument: Instrument::new(CONTROLLER, self.reconciles.clone()),
+            instrument: self.instrument,
             client: self.client.clone(),
             publisher: self.publisher.clone(),
             source: self.source.clone(),
