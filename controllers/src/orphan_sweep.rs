@@ -489,6 +489,7 @@ async fn sweep<T: SweepTarget>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_objects::{DRIVER, csi_volume};
 
     const GRACE: Duration = Duration::from_secs(600);
 
@@ -616,58 +617,22 @@ mod tests {
         }
     }
 
-    fn pv(name: &str, driver: &str, handle: &str, node: Option<&str>) -> PersistentVolume {
-        use k8s_openapi::api::core::v1::{
-            CSIPersistentVolumeSource, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm,
-            PersistentVolumeSpec, VolumeNodeAffinity,
-        };
-        PersistentVolume {
-            metadata: kube::api::ObjectMeta {
-                name: Some(name.into()),
-                ..Default::default()
-            },
-            spec: Some(PersistentVolumeSpec {
-                csi: Some(CSIPersistentVolumeSource {
-                    driver: driver.into(),
-                    volume_handle: handle.into(),
-                    ..Default::default()
-                }),
-                node_affinity: node.map(|n| VolumeNodeAffinity {
-                    required: Some(NodeSelector {
-                        node_selector_terms: vec![NodeSelectorTerm {
-                            match_expressions: Some(vec![NodeSelectorRequirement {
-                                key: crate::well_known::topology_key(driver),
-                                operator: "In".into(),
-                                values: Some(vec![n.into()]),
-                            }]),
-                            ..Default::default()
-                        }],
-                    }),
-                }),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }
-    }
-
-    const DRIVER: &str = "pmem-csi.intel.com";
-
     #[test]
     fn pv_facts_table() {
         let cases = [
             (
                 "ours on n1",
-                pv("a", DRIVER, "h", Some("n1")),
+                csi_volume("a", DRIVER, "h", Some("n1")),
                 Some(("h", Some("n1"))),
             ),
             (
                 "ours without affinity",
-                pv("a", DRIVER, "h", None),
+                csi_volume("a", DRIVER, "h", None),
                 Some(("h", None)),
             ),
             (
                 "another driver's",
-                pv("a", "other.csi", "h", Some("n1")),
+                csi_volume("a", "other.csi", "h", Some("n1")),
                 None,
             ),
             ("no spec", PersistentVolume::default(), None),
@@ -686,7 +651,7 @@ mod tests {
     fn pv_index_references_table() {
         let mut index = PvIndex::default();
         let mut add = |name: &str, handle: &str, node: Option<&str>| {
-            let facts = PvFacts::of(&pv(name, DRIVER, handle, node), DRIVER).expect("ours");
+            let facts = PvFacts::of(&csi_volume(name, DRIVER, handle, node), DRIVER).expect("ours");
             index.apply(name, facts);
         };
         add("pv-here", "h-here", Some("n1"));

@@ -428,6 +428,7 @@ fn template_size(volume: &Volume) -> Option<u64> {
 mod tests {
     use super::*;
     use crate::test_objects::json::*;
+    use crate::test_objects::{GI, storage_class};
     use crate::well_known::{
         BETA_DEFAULT_CLASS, BETA_STORAGE_PROVISIONER, DEFAULT_CLASS, IMMEDIATE,
     };
@@ -435,14 +436,12 @@ mod tests {
     use k8s_openapi::api::storage::v1::StorageClass;
     use serde_json::{Value, json};
 
-    const GI: u64 = 1 << 30;
-
+    /// A [`storage_class`] whose binding mode may be absent.
     fn class(name: &str, provisioner: &str, mode: Option<&str>) -> StorageClass {
-        let mut value = json!({"metadata": {"name": name}, "provisioner": provisioner});
-        if let Some(mode) = mode {
-            value["volumeBindingMode"] = json!(mode);
+        StorageClass {
+            volume_binding_mode: mode.map(Into::into),
+            ..storage_class(name, provisioner, "")
         }
-        serde_json::from_value(value).expect("test class decodes")
     }
 
     fn default_marked(name: &str, created: &str, beta: bool) -> StorageClass {

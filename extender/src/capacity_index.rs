@@ -796,7 +796,7 @@ pub fn published_capacity(driver: &str, object: &CSIStorageCapacity) -> Publishe
 mod tests {
     use super::*;
     use controllers::test_objects::{
-        DRIVER, GI, capacity, claim, class, inline_pod, managed_capacity, sized_claim, volume,
+        DRIVER, GI, capacity, inline_pod, managed_capacity, sized_claim, storage_class, volume,
     };
 
     #[test]
@@ -826,9 +826,9 @@ mod tests {
 
     fn index() -> CapacityIndex {
         let mut index = CapacityIndex::new(DRIVER, GI);
-        index.apply_class(&class("late", DRIVER, "WaitForFirstConsumer"));
-        index.apply_class(&class("now", DRIVER, "Immediate"));
-        index.apply_class(&class(
+        index.apply_class(&storage_class("late", DRIVER, "WaitForFirstConsumer"));
+        index.apply_class(&storage_class("now", DRIVER, "Immediate"));
+        index.apply_class(&storage_class(
             "theirs",
             "other.example.com",
             "WaitForFirstConsumer",
@@ -844,17 +844,29 @@ mod tests {
     fn claims_count_on_their_selected_node_only_when_ours() {
         let mut index = index();
         for (name, object, counts) in [
-            ("late, selected", claim("a", "late", Some("n1"), None), true),
-            ("late, not selected", claim("b", "late", None, None), false),
-            ("immediate", claim("c", "now", Some("n1"), None), false),
+            (
+                "late, selected",
+                sized_claim("a", "late", "1Gi", Some("n1"), None),
+                true,
+            ),
+            (
+                "late, not selected",
+                sized_claim("b", "late", "1Gi", None, None),
+                false,
+            ),
+            (
+                "immediate",
+                sized_claim("c", "now", "1Gi", Some("n1"), None),
+                false,
+            ),
             (
                 "another driver's",
-                claim("d", "theirs", Some("n1"), None),
+                sized_claim("d", "theirs", "1Gi", Some("n1"), None),
                 false,
             ),
             (
                 "bound, its PV not seen yet",
-                claim("e", "late", Some("n1"), Some("pv-e")),
+                sized_claim("e", "late", "1Gi", Some("n1"), Some("pv-e")),
                 true,
             ),
         ] {
@@ -870,7 +882,7 @@ mod tests {
         );
         index.delete_claim(&ClaimKey::new("ns", "a"));
         assert_eq!(index.usage("n1", &[]).allocated, GI);
-        let mut deleting = claim("e", "late", Some("n1"), Some("pv-e"));
+        let mut deleting = sized_claim("e", "late", "1Gi", Some("n1"), Some("pv-e"));
         deleting.metadata.deletion_timestamp = Some(
             k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Default::default()),
         );
@@ -881,7 +893,7 @@ mod tests {
     #[test]
     fn claim_and_its_volume_count_once_across_binding() {
         let mut index = index();
-        index.apply_claim(&claim("a", "late", Some("n1"), None));
+        index.apply_claim(&sized_claim("a", "late", "1Gi", Some("n1"), None));
         // The provisioner creates the PV before the binder updates the claim.
         index.apply_volume(&volume("pv-a", "n1", "2Gi", Some("a")));
         assert_eq!(
@@ -889,7 +901,7 @@ mod tests {
             2 * GI,
             "the PV's real size wins"
         );
-        index.apply_claim(&claim("a", "late", Some("n1"), Some("pv-a")));
+        index.apply_claim(&sized_claim("a", "late", "1Gi", Some("n1"), Some("pv-a")));
         assert_eq!(index.usage("n1", &[]).allocated, 2 * GI);
         assert_eq!(counted_on(&index, "a"), Some("n1"));
         // Claim deleted, PV still there (reclaim pending): still allocated.
@@ -907,8 +919,8 @@ mod tests {
     fn a_bound_claim_counts_until_its_late_volume_arrives() {
         // The binder's claim update overtook the PV's creation event.
         let mut index = index();
-        index.apply_claim(&claim("a", "late", Some("n1"), None));
-        index.apply_claim(&claim("a", "late", Some("n1"), Some("pv-a")));
+        index.apply_claim(&sized_claim("a", "late", "1Gi", Some("n1"), None));
+        index.apply_claim(&sized_claim("a", "late", "1Gi", Some("n1"), Some("pv-a")));
         assert_eq!(index.usage("n1", &[]).allocated, GI, "no gap");
         index.apply_volume(&volume("pv-a", "n1", "1028Mi", Some("a")));
         assert_eq!(index.usage("n1", &[]).allocated, 1028 << 20);
@@ -917,7 +929,7 @@ mod tests {
     #[test]
     fn a_volume_replacing_its_claim_on_the_same_node_stays_reflected() {
         let mut index = index();
-        index.apply_claim(&claim("a", "late", Some("n1"), None));
+        index.apply_claim(&sized_claim("a", "late", "1Gi", Some("n1"), None));
         index.apply_capacity(&capacity("cap-n1", "n1", "9Gi", None));
         assert!(index.usage("n1", &[]).unreflected.is_empty());
         // The PV carries the size the node really allocated: same volume, same node.
@@ -949,11 +961,23 @@ mod tests {
         ] {
             let mut index = index();
             for i in 0..before {
-                index.apply_claim(&claim(&format!("b{i}"), "late", Some("n1"), None));
+                index.apply_claim(&sized_claim(
+                    &format!("b{i}"),
+                    "late",
+                    "1Gi",
+                    Some("n1"),
+                    None,
+                ));
             }
             index.apply_capacity(&capacity("cap-n1", "n1", free, None));
             for i in 0..after {
-                index.apply_claim(&claim(&format!("a{i}"), "late", Some("n1"), None));
+                index.apply_claim(&sized_claim(
+                    &format!("a{i}"),
+                    "late",
+                    "1Gi",
+                    Some("n1"),
+                    None,
+                ));
             }
             assert_eq!(index.usage("n1", &[]).unreflected, want, "{name}");
         }
@@ -968,7 +992,7 @@ mod tests {
             pv
         };
         let new_claim = || {
-            let mut c = claim("a", "late", Some("n2"), None);
+            let mut c = sized_claim("a", "late", "1Gi", Some("n2"), None);
             c.metadata.uid = Some("u2".into());
             c
         };
@@ -1010,7 +1034,7 @@ mod tests {
             Some(&extents),
             Some(4 * GI),
         ));
-        index.apply_claim(&claim("a", "late", Some("n1"), None));
+        index.apply_claim(&sized_claim("a", "late", "1Gi", Some("n1"), None));
         // Read from the 16 listed pools, the node would seem to have allocated 2496 MiB and the
         // new claim would be dropped as already published.
         assert_eq!(index.usage("n1", &[]).unreflected, vec![GI]);
@@ -1019,13 +1043,13 @@ mod tests {
     #[test]
     fn a_late_class_makes_existing_claims_count() {
         let mut index = CapacityIndex::new(DRIVER, GI);
-        index.apply_claim(&claim("a", "late", Some("n1"), None));
+        index.apply_claim(&sized_claim("a", "late", "1Gi", Some("n1"), None));
         assert_eq!(
             index.usage("n1", &[]).allocated,
             0,
             "class unknown, no annotation"
         );
-        index.apply_class(&class("late", DRIVER, "WaitForFirstConsumer"));
+        index.apply_class(&storage_class("late", DRIVER, "WaitForFirstConsumer"));
         assert_eq!(index.usage("n1", &[]).allocated, GI);
     }
 
@@ -1057,7 +1081,7 @@ mod tests {
     #[test]
     fn capacity_objects_and_unreflected_allocations() {
         let mut index = index();
-        index.apply_claim(&claim("a", "late", Some("n1"), None));
+        index.apply_claim(&sized_claim("a", "late", "1Gi", Some("n1"), None));
         let usage = index.usage("n1", &[]);
         assert_eq!((usage.published, usage.unreflected), (None, vec![GI]));
         index.apply_capacity(&managed_capacity(
@@ -1078,7 +1102,7 @@ mod tests {
             usage.unreflected.is_empty(),
             "published after the claim was selected"
         );
-        index.apply_claim(&claim("b", "late", Some("n1"), None));
+        index.apply_claim(&sized_claim("b", "late", "1Gi", Some("n1"), None));
         assert_eq!(index.usage("n1", &[]).unreflected, vec![GI]);
         // The same content again (another class's object) changes nothing.
         index.apply_capacity(&managed_capacity(

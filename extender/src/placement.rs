@@ -631,7 +631,7 @@ mod tests {
     use super::*;
     use crate::api::decode_request;
     use controllers::test_objects::{
-        DRIVER, GI, MI, claim_pod, class, managed_capacity, sized_claim, volume,
+        DRIVER, GI, MI, claim_pod, managed_capacity, sized_claim, storage_class, volume,
     };
 
     const ALWAYS_RUNNING: &dyn Fn(&str) -> bool = &|_| false;
@@ -641,7 +641,7 @@ mod tests {
         let mut state = ExtenderState::new(DRIVER, GI, Duration::from_secs(600));
         state
             .index
-            .apply_class(&class("late", DRIVER, "WaitForFirstConsumer"));
+            .apply_class(&storage_class("late", DRIVER, "WaitForFirstConsumer"));
         for node in nodes {
             state.index.apply_capacity(&managed_capacity(
                 &format!("cap-{node}"),
