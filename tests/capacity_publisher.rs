@@ -17,9 +17,9 @@ use kube::api::DeleteParams;
 use kube::runtime::watcher;
 use testenv::node_driver::NodeDriverDirs;
 use testenv::node_processes::DriverOptions;
-use testenv::objects;
 use testenv::wait::until;
 use testenv::{NodeSpec, Supervised, TestEnv, TestEnvBuilder};
+use testenv::{api_calls, metrics, wait};
 
 const DRIVER: &str = "pmem-csi.intel.com";
 const NAMESPACE: &str = "pmem-csi";
@@ -34,7 +34,7 @@ fn env() -> &'static TestEnv {
 }
 
 async fn class(client: &kube::Client, name: &str, mode: &str) {
-    objects::create_storage_class(client, name, DRIVER, mode)
+    api_calls::create_storage_class(client, name, DRIVER, mode)
         .await
         .expect("class");
 }
@@ -233,11 +233,11 @@ async fn publishes_follows_coalesces_and_withdraws() {
     let burst_writes = writes.load(Ordering::SeqCst);
     watch.abort();
     println!("50 creates caused {burst_writes} writes to the capacity object");
-    let text = objects::scrape_metrics(port).await;
-    let reconciles = objects::metric_value(
+    let text = metrics::scrape_metrics(port).await;
+    let reconciles = metrics::metric_value(
         &text,
         "controller_runtime_reconcile_total{controller=\"capacity-publisher\",result=\"success\"}",
-    ) + objects::metric_value(
+    ) + metrics::metric_value(
         &text,
         "controller_runtime_reconcile_total{controller=\"capacity-publisher\",result=\"requeue_after\"}",
     );
@@ -255,7 +255,7 @@ async fn publishes_follows_coalesces_and_withdraws() {
         .delete(&late, &DeleteParams::default())
         .await
         .expect("delete class");
-    objects::wait_gone(&api, &name, WAIT)
+    wait::wait_gone(&api, &name, WAIT)
         .await
         .expect("object of a deleted class removed");
 
@@ -302,7 +302,7 @@ async fn objects_follow_their_node_to_the_garbage_collector() {
         .await
         .expect("delete node");
     // The garbage collector removes objects whose owner is gone.
-    objects::wait_gone(&api, &name, WAIT)
+    wait::wait_gone(&api, &name, WAIT)
         .await
         .expect("collected with the node");
     driver.stop().await;

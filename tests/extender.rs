@@ -7,9 +7,10 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use controllers::test_objects;
 use k8s_openapi::api::core::v1::{
-    Affinity, NodeAffinity, NodeSelectorRequirement, NodeSelectorTerm, PersistentVolumeClaim,
-    PersistentVolumeClaimVolumeSource, Pod, PreferredSchedulingTerm, ResourceRequirements, Volume,
+    Affinity, NodeAffinity, NodeSelectorRequirement, NodeSelectorTerm, PersistentVolumeClaim, Pod,
+    PreferredSchedulingTerm, ResourceRequirements,
 };
 use k8s_openapi::api::scheduling::v1::PriorityClass;
 use k8s_openapi::api::storage::v1::CSIStorageCapacity;
@@ -17,9 +18,9 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::Api;
 use kube::api::{DeleteParams, ObjectMeta, PostParams};
 use rustix::process::Signal;
-use testenv::objects;
 use testenv::wait::until;
 use testenv::{NodeSpec, TestEnv};
+use testenv::{api_calls, metrics};
 
 const DRIVER: &str = "pmem-csi.intel.com";
 const CLASS: &str = "pmem-extender";
@@ -43,12 +44,12 @@ async fn start(args: &[&str]) -> (TestEnv, kube::Client) {
         .await
         .expect("testenv");
     let client = env.client().await.expect("client");
-    objects::create_storage_class(&client, CLASS, DRIVER, "WaitForFirstConsumer")
+    api_calls::create_storage_class(&client, CLASS, DRIVER, "WaitForFirstConsumer")
         .await
         .expect("class");
     let (_, admin) = env.extender_addresses().expect("extender");
     until("the extender to be ready", WAIT, || async {
-        let text = objects::scrape_metrics(admin.port()).await;
+        let text = metrics::scrape_metrics(admin.port()).await;
         (!text.is_empty())
             .then_some(())
             .ok_or("no metrics yet".to_string())
@@ -64,9 +65,9 @@ async fn publish(client: &kube::Client, budgets: &[(&str, &[u64])]) {
     let api = Api::<CSIStorageCapacity>::namespaced(client.clone(), "pmem-csi");
     for (node, pools) in budgets {
         let managed = pools.iter().sum();
-        objects::apply(
+        api_calls::apply(
             &api,
-            &objects::published_capacity("pmem-csi", DRIVER, node, CLASS, pools, managed),
+            &test_objects::published_capacity("pmem-csi", DRIVER, node, CLASS, pools, managed),
         )
         .await
         .expect("capacity");
@@ -74,28 +75,16 @@ async fn publish(client: &kube::Client, budgets: &[(&str, &[u64])]) {
 }
 
 fn pod_with_claims(namespace: &str, name: &str, claims: &[&str]) -> Pod {
-    let mut pod = objects::pod_with_claim(namespace, name, claims[0]);
-    if let Some(spec) = pod.spec.as_mut() {
-        spec.volumes = Some(
-            claims
-                .iter()
-                .map(|c| Volume {
-                    name: (*c).into(),
-                    persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
-                        claim_name: (*c).into(),
-                        read_only: None,
-                    }),
-                    ..Default::default()
-                })
-                .collect(),
-        );
-    }
-    objects::with_scheduler_resource(pod, DRIVER)
+    let volumes = claims
+        .iter()
+        .map(|c| test_objects::claim_volume(c, c))
+        .collect();
+    test_objects::with_scheduler_resource(test_objects::pod(namespace, name, volumes), DRIVER)
 }
 
 fn inline_pod(namespace: &str, name: &str, size: &str) -> Pod {
-    objects::with_scheduler_resource(
-        objects::pod_with_inline_volume(namespace, name, DRIVER, size),
+    test_objects::with_scheduler_resource(
+        test_objects::pod_with_inline_volume(namespace, name, DRIVER, size),
         DRIVER,
     )
 }
@@ -105,7 +94,7 @@ async fn create_claims(client: &kube::Client, namespace: &str, claims: &[(&str, 
     for (name, size) in claims {
         api.create(
             &PostParams::default(),
-            &objects::claim(namespace, name, CLASS, size),
+            &test_objects::claim(namespace, name, CLASS, size),
         )
         .await
         .expect("claim");
@@ -153,7 +142,7 @@ async fn wait_failed(
         &format!("pod {name} to fail with {text:?}"),
         WAIT,
         || async {
-            let messages = objects::failed_scheduling(client, namespace, name)
+            let messages = api_calls::failed_scheduling(client, namespace, name)
                 .await
                 .map_err(|e| e.to_string())?;
             messages
@@ -177,7 +166,7 @@ async fn selected(client: &kube::Client, namespace: &str, claims: &[&str]) -> Ve
     let api = Api::<PersistentVolumeClaim>::namespaced(client.clone(), namespace);
     let mut out = Vec::new();
     for claim in claims {
-        out.push(objects::selected_node(&api, claim).await);
+        out.push(api_calls::selected_node(&api, claim).await);
     }
     out
 }
@@ -392,7 +381,7 @@ async fn reserve_all() {
         )
         .await
         .expect("priority class");
-    let mut low = objects::pod_with_claim(&ns, "low", "unused");
+    let mut low = test_objects::pod_with_claim(&ns, "low", "unused");
     if let Some(spec) = low.spec.as_mut() {
         spec.volumes = None;
         spec.node_name = Some("node-4".into());
@@ -674,7 +663,7 @@ async fn no_fits_before_the_caches_have_synced() {
 }
 
 async fn metric(admin: std::net::SocketAddr, prefix: &str) -> u64 {
-    objects::metric_value(&objects::scrape_metrics(admin.port()).await, prefix)
+    metrics::metric_value(&metrics::scrape_metrics(admin.port()).await, prefix)
 }
 
 /// `/filter` of `pod` (as it is now in the API) over `nodes`, as kube-scheduler sends it: the

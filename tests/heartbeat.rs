@@ -5,13 +5,14 @@
 use std::sync::OnceLock;
 use std::time::Duration;
 
+use controllers::test_objects;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::PersistentVolumeClaim;
 use kube::Api;
 use kube::api::PostParams;
+use testenv::api_calls;
 use testenv::node_driver::NodeDriverDirs;
 use testenv::node_processes::DriverOptions;
-use testenv::objects;
 use testenv::wait::until;
 use testenv::{NodeSpec, Supervised, TestEnv, TestEnvBuilder};
 
@@ -52,11 +53,11 @@ fn node_driver(env: &TestEnv, node: &str, dirs: &NodeDriverDirs) -> Supervised {
 }
 
 fn claim(name: &str, ns: &str, class: &str, node: &str) -> PersistentVolumeClaim {
-    objects::selected_for(objects::claim(ns, name, class, "1Gi"), node)
+    test_objects::selected_for(test_objects::claim(ns, name, class, "1Gi"), node)
 }
 
 async fn selected(api: &Api<PersistentVolumeClaim>, name: &str) -> Option<String> {
-    objects::selected_node(api, name).await
+    api_calls::selected_node(api, name).await
 }
 
 async fn wait_unselected(api: &Api<PersistentVolumeClaim>, name: &str) {
@@ -78,7 +79,7 @@ async fn stopped_driver_loses_its_claims_restarted_one_keeps_them() {
         .await
         .expect("ns");
     let class = format!("{ns}-pmem");
-    objects::create_storage_class(&client, &class, DRIVER, "WaitForFirstConsumer")
+    api_calls::create_storage_class(&client, &class, DRIVER, "WaitForFirstConsumer")
         .await
         .expect("class");
     let root = tempfile::tempdir().expect("tempdir");

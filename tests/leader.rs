@@ -6,14 +6,15 @@
 use std::time::Duration;
 
 use controllers::leader::{LeaderMetrics, LeaderSettings, elect};
+use controllers::test_objects;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::PersistentVolumeClaim;
 use kube::Api;
 use kube::api::PostParams;
 use rustix::process::Signal;
-use testenv::objects;
 use testenv::wait::until;
 use testenv::{NodeSpec, Supervised, TestEnv, TestEnvBuilder};
+use testenv::{api_calls, metrics};
 
 const DRIVER: &str = "pmem-csi.intel.com";
 use controllers::well_known::SELECTED_NODE as SELECTED;
@@ -45,7 +46,7 @@ fn controller(env: &TestEnv, identity: &str, port: u16) -> Supervised {
 }
 
 fn claim(name: &str, ns: &str, class: &str) -> PersistentVolumeClaim {
-    objects::selected_for(objects::claim(ns, name, class, "1Gi"), "node-1")
+    test_objects::selected_for(test_objects::claim(ns, name, class, "1Gi"), "node-1")
 }
 
 async fn holder(leases: &Api<Lease>) -> Result<String, String> {
@@ -74,7 +75,7 @@ async fn rescheduled(api: &Api<PersistentVolumeClaim>, name: &str) {
 }
 
 async fn status(port: u16) -> String {
-    objects::scrape_metrics(port).await
+    metrics::scrape_metrics(port).await
 }
 
 #[tokio::test]
@@ -85,7 +86,7 @@ async fn only_the_leader_acts_and_a_standby_takes_over() {
         .await
         .expect("ns");
     let class = format!("{ns}-pmem");
-    objects::create_storage_class(&client, &class, DRIVER, "WaitForFirstConsumer")
+    api_calls::create_storage_class(&client, &class, DRIVER, "WaitForFirstConsumer")
         .await
         .expect("class");
     let ports = [
@@ -112,7 +113,7 @@ async fn only_the_leader_acts_and_a_standby_takes_over() {
     // The rescheduler patches the claim first and writes its Event after: wait for the Event
     // (and so for the counter, which is bumped before it) before counting.
     let count = until("the Rescheduled event", WAIT, || async {
-        match objects::events(&client, &ns, "reason=Rescheduled")
+        match api_calls::events(&client, &ns, "reason=Rescheduled")
             .await
             .map_err(|e| e.to_string())?
             .len()

@@ -11,13 +11,14 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use controllers::test_objects;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use kube::Api;
 use kube::api::PostParams;
 use promql_parser::parser::{self, Expr};
 use testenv::wait::until;
-use testenv::{NodeSpec, TestEnv, http_client, objects};
+use testenv::{NodeSpec, TestEnv, http_client};
 
 const CLASS: &str = "pmem-csi-sc-ext4";
 const WAIT: Duration = Duration::from_secs(90);
@@ -331,13 +332,13 @@ async fn traffic(env: &TestEnv, client: &kube::Client) {
         claims
             .create(
                 &PostParams::default(),
-                &objects::claim(&ns, name, CLASS, size),
+                &test_objects::claim(&ns, name, CLASS, size),
             )
             .await
             .expect("claim");
         pods.create(
             &PostParams::default(),
-            &objects::pod_with_claim(&ns, name, name),
+            &test_objects::pod_with_claim(&ns, name, name),
         )
         .await
         .expect("pod");
@@ -365,7 +366,7 @@ async fn traffic(env: &TestEnv, client: &kube::Client) {
     // node for this one: all reject it (the driverless node for its own reason).
     pods.create(
         &PostParams::default(),
-        &objects::pod_with_inline_volume(&ns, "huge", env.driver_name(), "100Gi"),
+        &test_objects::pod_with_inline_volume(&ns, "huge", env.driver_name(), "100Gi"),
     )
     .await
     .expect("pod");

@@ -362,7 +362,7 @@ async fn start_up_repair_never_destroys_data() {
     );
     assert_eq!(digest(&stray), stray_digest, "the stray device changed");
     assert!(h.volume_ids().await.is_empty());
-    let text = testenv::objects::scrape_metrics(port).await;
+    let text = testenv::metrics::scrape_metrics(port).await;
     assert!(!text.is_empty(), "scrape /metrics");
     for line in [
         "pmem_csi_unrecorded_devices{node=\"node-1\",driver_name=\"pmem-csi.intel.com\"} 1",

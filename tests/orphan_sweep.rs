@@ -5,15 +5,16 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
+use controllers::test_objects;
 use driver::csi::controller_client::ControllerClient;
 use driver::csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
 use driver::csi::{CapacityRange, CreateVolumeRequest, VolumeCapability};
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use kube::Api;
 use kube::api::PostParams;
+use testenv::metrics;
 use testenv::node_driver::NodeDriverDirs;
 use testenv::node_processes::DriverOptions;
-use testenv::objects;
 use testenv::wait::until;
 use testenv::{TestEnv, TestEnvBuilder};
 use tonic::transport::Channel;
@@ -29,7 +30,7 @@ fn env() -> &'static TestEnv {
 }
 
 fn claim(ns: &str, name: &str, node: &str) -> PersistentVolumeClaim {
-    objects::selected_for(objects::claim(ns, name, "no-such-class", "4Mi"), node)
+    test_objects::selected_for(test_objects::claim(ns, name, "no-such-class", "4Mi"), node)
 }
 
 async fn create(csi: &mut ControllerClient<Channel>, ns: &str, claim: &str) -> String {
@@ -113,7 +114,7 @@ async fn deletes_orphans_keeps_the_rest() {
     Api::<PersistentVolume>::all(client.clone())
         .create(
             &pp,
-            &objects::csi_volume(
+            &test_objects::csi_volume(
                 &format!("pvc-{ns}-referenced"),
                 DRIVER,
                 &referenced_id,
@@ -165,7 +166,7 @@ async fn deletes_orphans_keeps_the_rest() {
 
     // What it cost the apiserver: PVs listed once and then watched, however many passes ran;
     // no claim read for a volume a PV refers to.
-    let swept_at = objects::metric_value(&metrics, "pmem_csi_orphan_sweeps_total");
+    let swept_at = metrics::metric_value(&metrics, "pmem_csi_orphan_sweeps_total");
     let metrics_url = format!("http://127.0.0.1:{port}");
     until("three more sweep passes", WAIT, || async {
         let text = testenv::control_plane::anonymous_probe(&metrics_url, "metrics")
@@ -177,7 +178,7 @@ async fn deletes_orphans_keeps_the_rest() {
             )
             .await
             .map_err(|e| e.to_string())?;
-        let passes = objects::metric_value(&text, "pmem_csi_orphan_sweeps_total");
+        let passes = metrics::metric_value(&text, "pmem_csi_orphan_sweeps_total");
         (passes >= swept_at + 3)
             .then_some(())
             .ok_or(format!("{passes} passes"))

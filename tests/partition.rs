@@ -5,12 +5,13 @@
 
 use std::time::Duration;
 
+use controllers::test_objects;
 use driver::csi::controller_client::ControllerClient;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 use kube::Api;
 use kube::api::{ListParams, PostParams};
+use testenv::api_calls;
 use testenv::node_processes::DriverOptions;
-use testenv::objects;
 use testenv::wait::until;
 use testenv::{Supervised, TestEnv, TestEnvBuilder};
 
@@ -84,7 +85,7 @@ async fn partitioned_node_loses_the_claim_and_its_volume() {
         .await
         .expect("ns");
     let class = format!("{ns}-pmem");
-    objects::create_storage_class(&client, &class, DRIVER, "WaitForFirstConsumer")
+    api_calls::create_storage_class(&client, &class, DRIVER, "WaitForFirstConsumer")
         .await
         .expect("class");
     let capacities = Api::<k8s_openapi::api::storage::v1::CSIStorageCapacity>::namespaced(
@@ -107,11 +108,11 @@ async fn partitioned_node_loses_the_claim_and_its_volume() {
 
     let claims = Api::<PersistentVolumeClaim>::namespaced(client.clone(), &ns);
     claims
-        .create(&pp, &objects::claim(&ns, "data", &class, "64Mi"))
+        .create(&pp, &test_objects::claim(&ns, "data", &class, "64Mi"))
         .await
         .expect("claim");
     Api::<Pod>::namespaced(client.clone(), &ns)
-        .create(&pp, &objects::pod_with_claim(&ns, "app", "data"))
+        .create(&pp, &test_objects::pod_with_claim(&ns, "app", "data"))
         .await
         .expect("pod");
 

@@ -5,13 +5,14 @@
 
 use std::time::Duration;
 
+use controllers::test_objects;
 use driver::csi::controller_client::ControllerClient;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::storage::v1::CSIStorageCapacity;
 use kube::Api;
 use kube::api::{DeleteParams, ListParams, PostParams};
+use testenv::api_calls;
 use testenv::node_processes::DriverOptions;
-use testenv::objects;
 use testenv::wait::until;
 use testenv::{TestEnv, TestEnvBuilder};
 
@@ -42,7 +43,7 @@ async fn late_binding_claim_is_provisioned_on_the_scheduled_node_and_cleaned_up(
         .await
         .expect("ns");
     let class = format!("{ns}-pmem");
-    objects::create_storage_class(&client, &class, DRIVER, "WaitForFirstConsumer")
+    api_calls::create_storage_class(&client, &class, DRIVER, "WaitForFirstConsumer")
         .await
         .expect("class");
     let capacities = Api::<CSIStorageCapacity>::namespaced(client.clone(), "pmem-csi");
@@ -67,11 +68,11 @@ async fn late_binding_claim_is_provisioned_on_the_scheduled_node_and_cleaned_up(
 
     let claims = Api::<PersistentVolumeClaim>::namespaced(client.clone(), &ns);
     claims
-        .create(&pp, &objects::claim(&ns, "data", &class, "64Mi"))
+        .create(&pp, &test_objects::claim(&ns, "data", &class, "64Mi"))
         .await
         .expect("claim");
     let pods = Api::<Pod>::namespaced(client.clone(), &ns);
-    pods.create(&pp, &objects::pod_with_claim(&ns, "app", "data"))
+    pods.create(&pp, &test_objects::pod_with_claim(&ns, "app", "data"))
         .await
         .expect("pod");
 
@@ -158,7 +159,7 @@ async fn claim_selected_for_a_node_without_room_goes_back_to_the_scheduler() {
         .await
         .expect("ns");
     let class = format!("{ns}-pmem");
-    objects::create_storage_class(&client, &class, DRIVER, "WaitForFirstConsumer")
+    api_calls::create_storage_class(&client, &class, DRIVER, "WaitForFirstConsumer")
         .await
         .expect("class");
     // Every node has 1Gi: the node's provisioner gets ResourceExhausted from CreateVolume and
@@ -167,12 +168,12 @@ async fn claim_selected_for_a_node_without_room_goes_back_to_the_scheduler() {
     claims
         .create(
             &PostParams::default(),
-            &objects::selected_for(objects::claim(&ns, "big", &class, "4Gi"), "node-1"),
+            &test_objects::selected_for(test_objects::claim(&ns, "big", &class, "4Gi"), "node-1"),
         )
         .await
         .expect("claim");
     until("selected-node to be removed", WAIT, || async {
-        match objects::selected_node(&claims, "big").await {
+        match api_calls::selected_node(&claims, "big").await {
             None => Ok(()),
             Some(node) => Err(format!("still selected for {node}")),
         }

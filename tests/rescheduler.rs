@@ -6,13 +6,14 @@ use std::collections::BTreeMap;
 use std::sync::OnceLock;
 use std::time::Duration;
 
+use controllers::test_objects;
 use k8s_openapi::api::core::v1::{Node, PersistentVolumeClaim};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::Api;
 use kube::api::{DeleteParams, ObjectMeta, PostParams};
-use testenv::objects;
 use testenv::wait::until;
 use testenv::{NodeSpec, Supervised, TestEnv, TestEnvBuilder};
+use testenv::{api_calls, metrics, wait};
 
 const DRIVER: &str = "pmem-csi.intel.com";
 use controllers::well_known::SELECTED_NODE as SELECTED;
@@ -58,32 +59,32 @@ fn claim(
     node: Option<&str>,
     volume: Option<&str>,
 ) -> PersistentVolumeClaim {
-    let mut c = objects::claim(ns, name, class, "1Gi");
+    let mut c = test_objects::claim(ns, name, class, "1Gi");
     if let Some(node) = node {
-        c = objects::selected_for(c, node);
+        c = test_objects::selected_for(c, node);
     }
-    if let Some(spec) = c.spec.as_mut() {
-        spec.volume_name = volume.map(str::to_string);
+    if let Some(volume) = volume {
+        c = test_objects::bound_to(c, volume);
     }
     c
 }
 
 async fn class(client: &kube::Client, name: &str, provisioner: &str) {
-    objects::create_storage_class(client, name, provisioner, "WaitForFirstConsumer")
+    api_calls::create_storage_class(client, name, provisioner, "WaitForFirstConsumer")
         .await
         .expect("class");
 }
 
 async fn selected(api: &Api<PersistentVolumeClaim>, name: &str) -> Option<String> {
-    objects::selected_node(api, name).await
+    api_calls::selected_node(api, name).await
 }
 
 async fn metrics(port: u16) -> String {
-    objects::scrape_metrics(port).await
+    metrics::scrape_metrics(port).await
 }
 
 fn counter(text: &str, prefix: &str) -> u64 {
-    objects::metric_value(text, prefix)
+    metrics::metric_value(text, prefix)
 }
 
 #[tokio::test]
@@ -184,7 +185,7 @@ async fn unsets_selected_node_only_where_the_driver_definitely_does_not_run() {
         }
     }
     let rescheduled = until("Rescheduled events for both claims", WAIT, || async {
-        let objects: Vec<String> = objects::events(&client, &ns, "reason=Rescheduled")
+        let objects: Vec<String> = api_calls::events(&client, &ns, "reason=Rescheduled")
             .await
             .map_err(|e| e.to_string())?
             .into_iter()
@@ -289,9 +290,7 @@ async fn cleans_up_capacity_of_driverless_nodes_and_deleted_classes() {
             .expect("capacity object");
     }
     for name in [&driverless, &no_class] {
-        objects::wait_gone(&api, name, WAIT)
-            .await
-            .expect("cleaned up");
+        wait::wait_gone(&api, name, WAIT).await.expect("cleaned up");
     }
     let text = metrics(f.metrics_port).await;
     let reconciles = counter(

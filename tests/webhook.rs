@@ -9,15 +9,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use controllers::test_objects;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
-use k8s_openapi::api::core::v1::{
-    EphemeralVolumeSource, PersistentVolumeClaim, PersistentVolumeClaimTemplate, Pod, Secret,
-    Volume,
-};
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod, Secret};
 use kube::Api;
 use kube::api::PostParams;
 use testenv::wait::until;
-use testenv::{Supervised, TestEnv, http_client, objects};
+use testenv::{Supervised, TestEnv, http_client};
+use testenv::{api_calls, controller, metrics};
 
 const DRIVER: &str = "pmem-csi.intel.com";
 const RESOURCE: &str = "pmem-csi.intel.com/scheduler";
@@ -75,21 +74,13 @@ async fn create(client: &kube::Client, pod: &Pod) -> Result<Pod, kube::Error> {
 }
 
 fn ephemeral_pod(namespace: &str, name: &str, class: &str) -> Pod {
-    let mut pod = objects::pod_with_claim(namespace, name, "unused");
-    let template = objects::claim(namespace, "unused", class, "1Gi");
-    if let Some(spec) = pod.spec.as_mut() {
-        spec.volumes = Some(vec![Volume {
-            name: "scratch".into(),
-            ephemeral: Some(EphemeralVolumeSource {
-                volume_claim_template: Some(PersistentVolumeClaimTemplate {
-                    metadata: None,
-                    spec: template.spec.unwrap_or_default(),
-                }),
-            }),
-            ..Default::default()
-        }]);
-    }
-    pod
+    test_objects::pod(
+        namespace,
+        name,
+        vec![test_objects::generic_ephemeral_volume(
+            "scratch", class, "1Gi",
+        )],
+    )
 }
 
 async fn secret_data(client: &kube::Client) -> BTreeMap<String, String> {
@@ -155,7 +146,7 @@ async fn webhook() {
         ("pmem-now", DRIVER, "Immediate"),
         ("other-late", "other.example.com", "WaitForFirstConsumer"),
     ] {
-        objects::create_storage_class(&client, name, provisioner, mode)
+        api_calls::create_storage_class(&client, name, provisioner, mode)
             .await
             .expect("class");
     }
@@ -166,7 +157,7 @@ async fn webhook() {
     hooks
         .create(
             &PostParams::default(),
-            &objects::pod_webhook_configuration(
+            &controller::pod_webhook_configuration(
                 env.manifests(),
                 &[
                     (
@@ -207,7 +198,7 @@ async fn webhook() {
 
     // The first pod may race the injection reaching the apiserver's webhook client.
     until("a pod to be admitted and mutated", WAIT, || async {
-        let pod = objects::pod_with_inline_volume(&ns, "probe", DRIVER, "1Gi");
+        let pod = test_objects::pod_with_inline_volume(&ns, "probe", DRIVER, "1Gi");
         match create(&client, &pod).await {
             Ok(p) if marked(&p) => Ok(()),
             Ok(_) => Err("admitted unchanged".to_string()),
@@ -227,13 +218,16 @@ async fn webhook() {
     claims
         .create(
             &PostParams::default(),
-            &objects::claim(&ns, "late", "pmem-late", "1Gi"),
+            &test_objects::claim(&ns, "late", "pmem-late", "1Gi"),
         )
         .await
         .expect("claim");
-    let pod = create(&client, &objects::pod_with_claim(&ns, "with-claim", "late"))
-        .await
-        .expect("pod");
+    let pod = create(
+        &client,
+        &test_objects::pod_with_claim(&ns, "with-claim", "late"),
+    )
+    .await
+    .expect("pod");
     assert!(
         marked(&pod),
         "claim created right before the pod: {:?}",
@@ -245,7 +239,7 @@ async fn webhook() {
     assert!(marked(&pod), "generic ephemeral volume");
     let pod = create(
         &client,
-        &objects::pod_with_inline_volume(&ns, "inline", DRIVER, "1Gi"),
+        &test_objects::pod_with_inline_volume(&ns, "inline", DRIVER, "1Gi"),
     )
     .await
     .expect("pod");
@@ -253,17 +247,17 @@ async fn webhook() {
 
     // Unchanged: opted out, another scheduler, no volumes, another driver's claim, an
     // Immediate claim, a bound claim, another driver's inline volume.
-    let mut opted_out = objects::pod_with_inline_volume(&ns, "opted-out", DRIVER, "1Gi");
+    let mut opted_out = test_objects::pod_with_inline_volume(&ns, "opted-out", DRIVER, "1Gi");
     opted_out.metadata.labels = Some(BTreeMap::from([(
         "pmem-csi.intel.com/webhook".to_string(),
         "ignore".to_string(),
     )]));
     let mut other_scheduler =
-        objects::pod_with_inline_volume(&ns, "other-scheduler", DRIVER, "1Gi");
+        test_objects::pod_with_inline_volume(&ns, "other-scheduler", DRIVER, "1Gi");
     if let Some(spec) = other_scheduler.spec.as_mut() {
         spec.scheduler_name = Some("my-scheduler".into());
     }
-    let mut no_volumes = objects::pod_with_claim(&ns, "no-volumes", "x");
+    let mut no_volumes = test_objects::pod_with_claim(&ns, "no-volumes", "x");
     if let Some(spec) = no_volumes.spec.as_mut() {
         spec.volumes = None;
     }
@@ -272,9 +266,9 @@ async fn webhook() {
         ("immediate", "pmem-now", false),
         ("bound", "pmem-late", true),
     ] {
-        let mut c = objects::claim(&ns, claim, class, "1Gi");
-        if bound && let Some(spec) = c.spec.as_mut() {
-            spec.volume_name = Some("some-pv".into());
+        let mut c = test_objects::claim(&ns, claim, class, "1Gi");
+        if bound {
+            c = test_objects::bound_to(c, "some-pv");
         }
         claims
             .create(&PostParams::default(), &c)
@@ -282,14 +276,14 @@ async fn webhook() {
             .expect("claim");
     }
     let other_inline =
-        objects::pod_with_inline_volume(&ns, "other-inline", "other.example.com", "1Gi");
+        test_objects::pod_with_inline_volume(&ns, "other-inline", "other.example.com", "1Gi");
     for pod in [
         opted_out,
         other_scheduler,
         no_volumes,
-        objects::pod_with_claim(&ns, "their-claim", "theirs"),
-        objects::pod_with_claim(&ns, "immediate-claim", "immediate"),
-        objects::pod_with_claim(&ns, "bound-claim", "bound"),
+        test_objects::pod_with_claim(&ns, "their-claim", "theirs"),
+        test_objects::pod_with_claim(&ns, "immediate-claim", "immediate"),
+        test_objects::pod_with_claim(&ns, "bound-claim", "bound"),
         other_inline,
     ] {
         let name = pod.metadata.name.clone().unwrap_or_default();
@@ -382,7 +376,8 @@ async fn webhook() {
             let mut i = 0u64;
             while !stop.is_cancelled() {
                 i += 1;
-                let pod = objects::pod_with_inline_volume(&ns, &format!("load-{i}"), DRIVER, "1Gi");
+                let pod =
+                    test_objects::pod_with_inline_volume(&ns, &format!("load-{i}"), DRIVER, "1Gi");
                 match create(&client, &pod).await {
                     Ok(p) if marked(&p) => {
                         created.fetch_add(1, Ordering::Relaxed);
@@ -510,17 +505,17 @@ async fn webhook() {
     .expect("re-injected");
 
     for replica in [&a, &b] {
-        let text = objects::scrape_metrics(replica.admin).await;
+        let text = metrics::scrape_metrics(replica.admin).await;
         assert!(
             text.contains("controller_runtime_webhook_latency_seconds"),
             "{text}"
         );
     }
-    let total: u64 = futures::future::join_all([a.admin, b.admin].map(objects::scrape_metrics))
+    let total: u64 = futures::future::join_all([a.admin, b.admin].map(metrics::scrape_metrics))
         .await
         .iter()
         .map(|t| {
-            objects::metric_value(
+            metrics::metric_value(
                 t,
                 "controller_runtime_webhook_requests_total{webhook=\"/pod/mutate\",code=\"200\"}",
             )
@@ -544,13 +539,18 @@ async fn webhook() {
     claims
         .create(
             &PostParams::default(),
-            &objects::claim(&ns, "late-2", "pmem-late", "1Gi"),
+            &test_objects::claim(&ns, "late-2", "pmem-late", "1Gi"),
         )
         .await
         .expect("claim");
     // No node publishes capacity here, so the pod stays Pending.
     let bypassed = until("a pod to be admitted without the webhook", WAIT, || async {
-        match create(&client, &objects::pod_with_claim(&ns, "bypassed", "late-2")).await {
+        match create(
+            &client,
+            &test_objects::pod_with_claim(&ns, "bypassed", "late-2"),
+        )
+        .await
+        {
             Ok(p) => Ok(p),
             Err(e) => Err(e.to_string()),
         }
@@ -574,8 +574,8 @@ async fn webhook() {
     .await
     .expect("SchedulerExtenderBypassed");
     assert_eq!(
-        objects::metric_value(
-            &objects::scrape_metrics(a.admin).await,
+        metrics::metric_value(
+            &metrics::scrape_metrics(a.admin).await,
             "pmem_csi_pods_bypassed "
         ),
         1

@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use controllers::test_objects;
 use futures::StreamExt;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
@@ -21,8 +22,9 @@ use k8s_openapi::api::core::v1::{Pod, Secret};
 use kube::Api;
 use kube::api::{DeleteParams, PostParams};
 use kube::runtime::watcher;
+use testenv::controller;
 use testenv::wait::until;
-use testenv::{Supervised, TestEnv, http_client, objects};
+use testenv::{Supervised, TestEnv, http_client};
 use webhooks::self_signed;
 
 const DRIVER: &str = "pmem-csi.intel.com";
@@ -203,7 +205,7 @@ impl Load {
                 while !stop.is_cancelled() {
                     i += 1;
                     let name = format!("{prefix}-{i}");
-                    let pod = objects::pod_with_inline_volume(&ns, &name, DRIVER, "1Gi");
+                    let pod = test_objects::pod_with_inline_volume(&ns, &name, DRIVER, "1Gi");
                     let problem = match pods.create(&PostParams::default(), &pod).await {
                         Ok(p) if marked(&p) => None,
                         Ok(_) => Some(format!("{name}: admitted unmutated")),
@@ -362,7 +364,7 @@ async fn setup(ca_validity: &str) -> (TestEnv, kube::Client, Replica, Replica, S
     Api::<MutatingWebhookConfiguration>::all(client.clone())
         .create(
             &PostParams::default(),
-            &objects::pod_webhook_configuration(
+            &controller::pod_webhook_configuration(
                 env.manifests(),
                 &[
                     (
@@ -384,7 +386,7 @@ async fn setup(ca_validity: &str) -> (TestEnv, kube::Client, Replica, Replica, S
     let ns = testenv::test_namespace(&client, "certs").await.expect("ns");
     // The first pod may race the injection reaching the apiserver's webhook client.
     until("a pod to be admitted and mutated", WAIT, || async {
-        let pod = objects::pod_with_inline_volume(&ns, "probe", DRIVER, "1Gi");
+        let pod = test_objects::pod_with_inline_volume(&ns, "probe", DRIVER, "1Gi");
         match Api::<Pod>::namespaced(client.clone(), &ns)
             .create(&PostParams::default(), &pod)
             .await

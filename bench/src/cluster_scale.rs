@@ -26,12 +26,12 @@ use crate::report::{Benchmark, Target};
 const DRIVER: &str = "pmem-csi.intel.com";
 
 async fn class(client: &kube::Client, name: &str) -> anyhow::Result<()> {
-    testenv::objects::create_storage_class(client, name, DRIVER, "WaitForFirstConsumer").await?;
+    testenv::api_calls::create_storage_class(client, name, DRIVER, "WaitForFirstConsumer").await?;
     Ok(())
 }
 
 fn metric(text: &str, prefix: &str) -> u64 {
-    testenv::objects::metric_value(text, prefix)
+    testenv::metrics::metric_value(text, prefix)
 }
 
 fn rss_bytes(pid: u32) -> u64 {
@@ -282,7 +282,7 @@ pub async fn sweep_cost(
     testenv::node_driver::wait_for_path(&dirs.socket, Duration::from_secs(60)).await?;
     let mut csi = ControllerClient::new(driver::client::connect(&dirs.socket).await?);
     let pv = |name: String, handle: String, on: &str| {
-        testenv::objects::csi_volume(&name, DRIVER, &handle, Some(on))
+        controllers::test_objects::csi_volume(&name, DRIVER, &handle, Some(on))
     };
     let pv_api = Api::<PersistentVolume>::all(client.clone());
     // This node's volumes, each with its PV (created first, as the sweep would otherwise be
@@ -341,7 +341,7 @@ pub async fn sweep_cost(
     // thousands of new PVs is a transient, checked below only for what it must not do).
     let deadline = Instant::now() + Duration::from_secs(300);
     loop {
-        let text = testenv::objects::scrape_metrics(admin).await;
+        let text = testenv::metrics::scrape_metrics(admin).await;
         if metric(&text, "pmem_csi_orphan_sweep_known_pvs") >= pvs as u64 {
             break;
         }

@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use controllers::test_objects;
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 use kube::Api;
@@ -200,14 +201,14 @@ async fn burst(
                     claims
                         .create(
                             &Default::default(),
-                            &testenv::objects::claim(namespace, &name, CLASS_NO_ERASE, size),
+                            &test_objects::claim(namespace, &name, CLASS_NO_ERASE, size),
                         )
                         .await?;
                     lock(&timeline).created.insert(name.clone(), Instant::now());
-                    testenv::objects::pod_with_claim(namespace, &name, &name)
+                    test_objects::pod_with_claim(namespace, &name, &name)
                 }
                 None => {
-                    let mut pod = testenv::objects::pod_with_claim(namespace, &name, "none");
+                    let mut pod = test_objects::pod_with_claim(namespace, &name, "none");
                     if let Some(spec) = pod.spec.as_mut() {
                         spec.volumes = None;
                     }
@@ -296,8 +297,8 @@ async fn exhausted_creates(env: &TestEnv) -> u64 {
     let mut total = 0;
     for node in env.nodes() {
         if let Some(port) = env.driver_admin_port(&node.name) {
-            let text = testenv::objects::scrape_metrics(port).await;
-            total += testenv::objects::create_volume_calls(&text, "ResourceExhausted").0;
+            let text = testenv::metrics::scrape_metrics(port).await;
+            total += testenv::metrics::create_volume_calls(&text, "ResourceExhausted").0;
         }
     }
     total
@@ -492,7 +493,7 @@ async fn storage_bound_arm(scale: &Scale, with_extender: bool) -> anyhow::Result
         .await?;
     let expired = match env.extender_addresses() {
         Some((_, admin)) => {
-            let text = testenv::objects::scrape_metrics(admin.port()).await;
+            let text = testenv::metrics::scrape_metrics(admin.port()).await;
             text.lines()
                 .filter(|l| l.contains("reservation") && l.contains("expired"))
                 .filter(|l| !l.starts_with('#'))

@@ -6,6 +6,7 @@
 //! device of ours is left on any node; on any cluster, the published capacity is back to what it
 //! was before the scenario.
 
+use controllers::test_objects::{self, claim_volume, runnable};
 use controllers::volume_facts::capacity_node;
 use controllers::well_known::DRIVER_LABEL;
 use std::collections::BTreeMap;
@@ -13,14 +14,11 @@ use std::time::Duration;
 
 use driver::csi::controller_client::ControllerClient;
 use k8s_openapi::api::core::v1::{
-    Container, EphemeralVolumeSource, Event, Namespace, PersistentVolume, PersistentVolumeClaim,
-    PersistentVolumeClaimTemplate, PersistentVolumeClaimVolumeSource, Pod, PodSpec,
-    VolumeResourceRequirements,
+    Event, Namespace, PersistentVolume, PersistentVolumeClaim, Pod, Volume,
 };
 use k8s_openapi::api::storage::v1::CSIStorageCapacity;
-use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::Api;
-use kube::api::{DeleteParams, ListParams, ObjectMeta, PostParams};
+use kube::api::{DeleteParams, ListParams, PostParams};
 use testenv::wait::until;
 use testenv::{NodeSpec, TestEnv, TestEnvBuilder};
 
@@ -221,7 +219,7 @@ impl Drop for Scenario {
                     .delete(&namespace, &DeleteParams::default())
                     .await
                     .map_err(|e| e.to_string())?;
-                testenv::objects::wait_gone(&namespaces, &namespace, WAIT)
+                testenv::wait::wait_gone(&namespaces, &namespace, WAIT)
                     .await
                     .map_err(|e| e.to_string())
             })
@@ -243,7 +241,7 @@ impl Scenario {
         size: &str,
         block: bool,
     ) -> Result<PersistentVolumeClaim, E2eError> {
-        let mut claim = testenv::objects::claim(&self.namespace, name, class, size);
+        let mut claim = test_objects::claim(&self.namespace, name, class, size);
         if block && let Some(spec) = claim.spec.as_mut() {
             spec.volume_mode = Some("Block".into());
         }
@@ -264,15 +262,21 @@ impl Scenario {
             )))
     }
 
+    /// Pod `name` of this scenario's namespace as the cluster under test runs it: the
+    /// [`runnable`] [`test_objects::pod`] of the workload [`image`] with `volumes` (those named
+    /// in `block` as devices).
+    pub fn workload(&self, name: &str, volumes: Vec<Volume>, block: &[&str]) -> Pod {
+        runnable(
+            test_objects::pod(&self.namespace, name, volumes),
+            &image(),
+            block,
+        )
+    }
+
     /// Creates pod `name` mounting claim `claim` as volume `data`.
     pub async fn pod_using(&self, name: &str, claim: &str) -> Result<Pod, E2eError> {
-        self.pod(&pod(
-            &self.namespace,
-            name,
-            vec![claim_volume("data", claim)],
-            &[],
-        ))
-        .await
+        self.pod(&self.workload(name, vec![claim_volume("data", claim)], &[]))
+            .await
     }
 
     /// Creates claim `name` of `class` and `size` and pod `name` using it.
@@ -305,7 +309,7 @@ impl Scenario {
         Ok((running, pv))
     }
 
-    /// The output of pod `name`'s script ([`with_script`]), once its container is Ready (real
+    /// The output of pod `name`'s script ([`test_objects::with_script`]), once its container is Ready (real
     /// clusters only: testenv's simulated kubelet runs no containers).
     pub async fn output(&self, name: &str) -> Result<String, E2eError> {
         until(
@@ -513,126 +517,6 @@ pub async fn leak_check(env: &TestEnv, kept: &[String]) -> Result<(), E2eError> 
     Ok(())
 }
 
-/// A pod with one container (busybox sleeping, for real clusters) and `volumes`, mounted at
-/// `/data<i>` (`volumeDevices` for the names in `block`).
-pub fn pod(
-    namespace: &str,
-    name: &str,
-    volumes: Vec<k8s_openapi::api::core::v1::Volume>,
-    block: &[&str],
-) -> Pod {
-    use k8s_openapi::api::core::v1::{VolumeDevice, VolumeMount};
-    let mounts: Vec<VolumeMount> = volumes
-        .iter()
-        .enumerate()
-        .filter(|(_, v)| !block.contains(&v.name.as_str()))
-        .map(|(i, v)| VolumeMount {
-            name: v.name.clone(),
-            mount_path: format!("/data{i}"),
-            ..Default::default()
-        })
-        .collect();
-    let devices: Vec<VolumeDevice> = volumes
-        .iter()
-        .enumerate()
-        .filter(|(_, v)| block.contains(&v.name.as_str()))
-        .map(|(i, v)| VolumeDevice {
-            name: v.name.clone(),
-            device_path: format!("/dev/block{i}"),
-        })
-        .collect();
-    Pod {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            namespace: Some(namespace.into()),
-            ..Default::default()
-        },
-        spec: Some(PodSpec {
-            containers: vec![Container {
-                name: "app".into(),
-                image: Some(image()),
-                command: Some(vec!["sleep".into(), "1000000".into()]),
-                volume_mounts: (!mounts.is_empty()).then_some(mounts),
-                volume_devices: (!devices.is_empty()).then_some(devices),
-                ..Default::default()
-            }],
-            termination_grace_period_seconds: Some(1),
-            volumes: (!volumes.is_empty()).then_some(volumes),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
-}
-
-/// `pod` whose container runs the shell `script` first and then sleeps; a script that fails
-/// ends the container (the pod never becomes Ready), so [`Scenario::output`] only ever sees the
-/// output of a script that succeeded.
-pub fn with_script(mut pod: Pod, script: &str) -> Pod {
-    if let Some(container) = pod.spec.as_mut().and_then(|s| s.containers.first_mut()) {
-        container.command = Some(vec![
-            "sh".into(),
-            "-c".into(),
-            format!("{script} && exec sleep 1000000"),
-        ]);
-    }
-    pod
-}
-
-/// A pod volume using claim `claim`.
-pub fn claim_volume(name: &str, claim: &str) -> k8s_openapi::api::core::v1::Volume {
-    k8s_openapi::api::core::v1::Volume {
-        name: name.into(),
-        persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
-            claim_name: claim.into(),
-            read_only: None,
-        }),
-        ..Default::default()
-    }
-}
-
-/// A CSI inline volume of our driver of `size`.
-pub fn inline_volume(name: &str, size: &str) -> k8s_openapi::api::core::v1::Volume {
-    k8s_openapi::api::core::v1::Volume {
-        name: name.into(),
-        csi: Some(k8s_openapi::api::core::v1::CSIVolumeSource {
-            driver: DRIVER.into(),
-            fs_type: Some("ext4".into()),
-            volume_attributes: Some(BTreeMap::from([("size".to_string(), size.to_string())])),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
-}
-
-/// A generic ephemeral volume of `class` and `size`.
-pub fn generic_ephemeral_volume(
-    name: &str,
-    class: &str,
-    size: &str,
-) -> k8s_openapi::api::core::v1::Volume {
-    k8s_openapi::api::core::v1::Volume {
-        name: name.into(),
-        ephemeral: Some(EphemeralVolumeSource {
-            volume_claim_template: Some(PersistentVolumeClaimTemplate {
-                metadata: None,
-                spec: k8s_openapi::api::core::v1::PersistentVolumeClaimSpec {
-                    access_modes: Some(vec!["ReadWriteOnce".into()]),
-                    storage_class_name: Some(class.into()),
-                    resources: Some(VolumeResourceRequirements {
-                        requests: Some(BTreeMap::from([(
-                            "storage".to_string(),
-                            Quantity(size.into()),
-                        )])),
-                        ..Default::default()
-                    }),
-                    ..Default::default()
-                },
-            }),
-        }),
-        ..Default::default()
-    }
-}
-
 /// The volume size (bytes) for a burst of `pods` volumes that exceeds every one of `budgets`
 /// (bytes per node) together but fits all of them under any greedy placement: the smallest
 /// multiple of 4 MiB, at least 64 MiB, that divides every budget (so no node is left with a
@@ -700,33 +584,5 @@ mod tests {
                 "{budgets:?} MiB, {pods} pods"
             );
         }
-    }
-
-    #[test]
-    fn scripts_run_before_sleeping() {
-        let p = with_script(pod("ns", "app", vec![], &[]), "cat /data0/x");
-        let command = p.spec.expect("spec").containers[0]
-            .command
-            .clone()
-            .expect("command");
-        assert_eq!(command, ["sh", "-c", "cat /data0/x && exec sleep 1000000"]);
-    }
-
-    #[test]
-    fn pod_builder_mounts_and_maps_devices() {
-        let p = pod(
-            "ns",
-            "app",
-            vec![claim_volume("data", "c"), claim_volume("dev", "d")],
-            &["dev"],
-        );
-        let c = &p.spec.as_ref().expect("spec").containers[0];
-        let mounts = c.volume_mounts.clone().unwrap_or_default();
-        let devices = c.volume_devices.clone().unwrap_or_default();
-        assert_eq!(mounts.len(), 1);
-        assert_eq!(mounts[0].name, "data");
-        assert_eq!(devices.len(), 1);
-        assert_eq!(devices[0].name, "dev");
-        assert_eq!(devices[0].device_path, "/dev/block1");
     }
 }

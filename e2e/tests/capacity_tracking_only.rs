@@ -47,7 +47,7 @@ async fn s12_capacity_tracking_alone() {
         "the base controller to serve metrics",
         e2e::WAIT,
         || async {
-            let text = testenv::objects::scrape_metrics(admin).await;
+            let text = testenv::metrics::scrape_metrics(admin).await;
             text.contains("# EOF")
                 .then_some(())
                 .ok_or_else(|| "no metrics yet".to_string())

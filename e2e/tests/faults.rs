@@ -17,12 +17,13 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
+use controllers::test_objects;
 use e2e::{CLASS_NO_ERASE, Cluster, MI, Scenario, node_of, pinned_node, volume_handle};
 use futures::future::join_all;
 use k8s_openapi::api::core::v1::PersistentVolumeClaim;
 use kube::api::PostParams;
 use rustix::process::Signal;
-use testenv::objects;
+use testenv::metrics;
 use testenv::wait::until;
 use testenv::{TestEnv, TestEnvBuilder};
 
@@ -68,7 +69,7 @@ struct Retries {
 async fn extender_metric(env: &TestEnv, prefix: &str) -> u64 {
     match env.extender_addresses() {
         Some((_, admin)) => {
-            objects::metric_value(&objects::scrape_metrics(admin.port()).await, prefix)
+            metrics::metric_value(&metrics::scrape_metrics(admin.port()).await, prefix)
         }
         None => 0,
     }
@@ -348,8 +349,8 @@ async fn f5_leading_controller_killed_while_claims_wait_for_rescheduling() {
         claims
             .create(
                 &PostParams::default(),
-                &objects::selected_for(
-                    objects::claim(
+                &test_objects::selected_for(
+                    test_objects::claim(
                         &s.namespace,
                         &name,
                         CLASS_NO_ERASE,

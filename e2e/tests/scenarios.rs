@@ -5,17 +5,19 @@
 
 use std::collections::BTreeMap;
 
+use controllers::test_objects::{
+    self, claim_volume, generic_ephemeral_volume, inline_volume, with_script,
+};
 use e2e::{
-    CLASS, CLASS_NO_ERASE, Cluster, DRIVER, MI, Scenario, WAIT, claim_volume,
-    generic_ephemeral_volume, inline_volume, node_of, pinned_node, pod, volume_handle, with_script,
+    CLASS, CLASS_NO_ERASE, Cluster, DRIVER, MI, Scenario, WAIT, node_of, pinned_node, volume_handle,
 };
 use futures::future::join_all;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::storage::v1::{CSINode, CSIStorageCapacity, StorageClass};
 use kube::Api;
 use kube::api::{DeleteParams, ListParams, PostParams};
-use testenv::objects;
 use testenv::wait::until;
+use testenv::{api_calls, metrics, wait};
 
 async fn cluster() -> Cluster {
     Cluster::connect(e2e::testenv_builder)
@@ -47,7 +49,7 @@ async fn delete_pod(s: &Scenario, name: &str) {
         .delete(name, &DeleteParams::default())
         .await
         .expect("delete pod");
-    objects::wait_gone(&s.pods, name, WAIT)
+    wait::wait_gone(&s.pods, name, WAIT)
         .await
         .expect("pod gone");
 }
@@ -60,9 +62,9 @@ async fn exhausted_creates(c: &Cluster) -> u64 {
         let Some(port) = env.driver_admin_port(&node.name) else {
             continue;
         };
-        let text = objects::scrape_metrics(port).await;
+        let text = metrics::scrape_metrics(port).await;
         assert!(!text.is_empty(), "metrics of {}", node.name);
-        total += objects::create_volume_calls(&text, "ResourceExhausted").0;
+        total += metrics::create_volume_calls(&text, "ResourceExhausted").0;
     }
     total
 }
@@ -78,7 +80,7 @@ async fn s01_late_binding() {
     s.claim("data", CLASS, "64Mi", false).await.expect("claim");
     let using = |name: &str, script: &str| {
         with_script(
-            pod(&s.namespace, name, vec![claim_volume("data", "data")], &[]),
+            s.workload(name, vec![claim_volume("data", "data")], &[]),
             script,
         )
     };
@@ -137,8 +139,8 @@ async fn s02_capacity_decides_the_node() {
     let ((mut second, mut second_bytes), (mut largest, largest_bytes)) = two_largest(&s.full);
     if second_bytes == largest_bytes {
         let filler = second_bytes / 2 / (4 * MI) * (4 * MI);
-        let claim = objects::selected_for(
-            objects::claim(&s.namespace, "filler", CLASS_NO_ERASE, &mib(filler / MI)),
+        let claim = test_objects::selected_for(
+            test_objects::claim(&s.namespace, "filler", CLASS_NO_ERASE, &mib(filler / MI)),
             &second,
         );
         s.claims
@@ -245,8 +247,8 @@ async fn s04_claim_on_a_driverless_node_is_rescheduled() {
         )
         .await
         .expect("node");
-    let claim = objects::selected_for(
-        objects::claim(&s.namespace, "data", CLASS_NO_ERASE, "64Mi"),
+    let claim = test_objects::selected_for(
+        test_objects::claim(&s.namespace, "data", CLASS_NO_ERASE, "64Mi"),
         &name,
     );
     s.claims
@@ -278,10 +280,9 @@ async fn s05_inline_ephemeral_volume() {
     let c = cluster().await;
     let s = c.scenario("inline").await.expect("scenario");
     s.pod(&with_script(
-        pod(
-            &s.namespace,
+        s.workload(
             "app",
-            vec![inline_volume("scratch", "64Mi")],
+            vec![inline_volume("scratch", DRIVER, Some("64Mi"), Some("ext4"))],
             &[],
         ),
         "echo probe > /data0/probe && cat /data0/probe",
@@ -338,7 +339,7 @@ async fn s06_driver_killed_while_provisioning() {
     }
     let victim = until("a claim to be selected for a node", WAIT, || async {
         for i in 0..10 {
-            if let Some(node) = objects::selected_node(&s.claims, &format!("c{i}")).await {
+            if let Some(node) = api_calls::selected_node(&s.claims, &format!("c{i}")).await {
                 return Ok(node);
             }
         }
@@ -454,7 +455,7 @@ async fn s08_immediate_binding() {
     let c = cluster().await;
     let s = c.scenario("immediate").await.expect("scenario");
     let class = format!("{}-immediate", s.namespace);
-    objects::create_storage_class(&c.client, &class, DRIVER, "Immediate")
+    api_calls::create_storage_class(&c.client, &class, DRIVER, "Immediate")
         .await
         .expect("class");
     s.claim("now", &class, "64Mi", false).await.expect("claim");
@@ -484,12 +485,7 @@ async fn s09_raw_block() {
     let s = c.scenario("block").await.expect("scenario");
     s.claim("dev", CLASS, "64Mi", true).await.expect("claim");
     s.pod(&with_script(
-        pod(
-            &s.namespace,
-            "app",
-            vec![claim_volume("dev", "dev")],
-            &["dev"],
-        ),
+        s.workload("app", vec![claim_volume("dev", "dev")], &["dev"]),
         "test -b /dev/block0 && echo block device",
     ))
     .await
@@ -517,8 +513,7 @@ async fn s09_raw_block() {
 async fn s10_generic_ephemeral_volume() {
     let c = cluster().await;
     let s = c.scenario("generic").await.expect("scenario");
-    s.pod(&pod(
-        &s.namespace,
+    s.pod(&s.workload(
         "app",
         vec![generic_ephemeral_volume("scratch", CLASS, "64Mi")],
         &[],
@@ -529,7 +524,7 @@ async fn s10_generic_ephemeral_volume() {
         .await
         .expect("running, the PV of the pod's claim pinned to its node");
     delete_pod(&s, "app").await;
-    objects::wait_gone(&s.claims, "app-scratch", WAIT)
+    wait::wait_gone(&s.claims, "app-scratch", WAIT)
         .await
         .expect("the claim goes with the pod");
     s.finish().await.expect("leak check");
@@ -553,7 +548,7 @@ async fn s11_node_deleted_with_a_selected_claim() {
         .expect("csinode");
     let capacities = Api::<CSIStorageCapacity>::namespaced(c.client.clone(), "pmem-csi");
     let mut capacity =
-        objects::published_capacity("pmem-csi", DRIVER, &name, CLASS, &[256 << 20], 256 << 20);
+        test_objects::published_capacity("pmem-csi", DRIVER, &name, CLASS, &[256 << 20], 256 << 20);
     capacity.metadata.owner_references = Some(vec![
         k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
             api_version: "v1".into(),
@@ -567,8 +562,8 @@ async fn s11_node_deleted_with_a_selected_claim() {
         .create(&PostParams::default(), &capacity)
         .await
         .expect("capacity");
-    let claim = objects::selected_for(
-        objects::claim(&s.namespace, "data", CLASS_NO_ERASE, "64Mi"),
+    let claim = test_objects::selected_for(
+        test_objects::claim(&s.namespace, "data", CLASS_NO_ERASE, "64Mi"),
         &name,
     );
     s.claims
@@ -602,7 +597,7 @@ async fn s11_node_deleted_with_a_selected_claim() {
     .await
     .expect("collected");
     until("the claim to be rescheduled", WAIT, || async {
-        match objects::selected_node(&s.claims, "data").await {
+        match api_calls::selected_node(&s.claims, "data").await {
             Some(n) if n == name => Err(format!("still selected for {n}")),
             other => Ok(other),
         }
@@ -626,7 +621,7 @@ async fn s12_mount_options() {
     let c = cluster().await;
     let s = c.scenario("mount-options").await.expect("scenario");
     let class = format!("{}-noatime", s.namespace);
-    let mut storage_class = objects::storage_class(&class, DRIVER, "WaitForFirstConsumer");
+    let mut storage_class = test_objects::storage_class(&class, DRIVER, "WaitForFirstConsumer");
     storage_class.mount_options = Some(vec!["noatime".into()]);
     Api::<StorageClass>::all(c.client.clone())
         .create(&Default::default(), &storage_class)
@@ -634,7 +629,7 @@ async fn s12_mount_options() {
         .expect("class");
     s.claim("data", &class, "64Mi", false).await.expect("claim");
     s.pod(&with_script(
-        pod(&s.namespace, "app", vec![claim_volume("data", "data")], &[]),
+        s.workload("app", vec![claim_volume("data", "data")], &[]),
         "grep ' /data0 ' /proc/mounts",
     ))
     .await

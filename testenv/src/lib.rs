@@ -3,9 +3,11 @@
 //! module proxy at pinned versions, simulated nodes, and processes supervised as kubelet would.
 //! No containers, no kubelet.
 
+pub mod api_calls;
 pub mod audit;
 pub mod builder;
 pub mod control_plane;
+pub mod controller;
 pub mod csi_client;
 pub mod csi_sanity;
 pub mod fault_proxy;
@@ -15,6 +17,7 @@ pub mod kubeconfig;
 pub mod kubelet;
 pub mod leftovers;
 pub mod manifests;
+pub mod metrics;
 pub mod mutations;
 pub mod node_driver;
 pub mod node_processes;
@@ -386,7 +389,7 @@ impl TestEnv {
                 admin,
             });
         }
-        let configuration = objects::pod_webhook_configuration(
+        let configuration = controller::pod_webhook_configuration(
             &self.manifests,
             &[(
                 "pod-hook.pmem-csi.intel.com",
@@ -401,7 +404,7 @@ impl TestEnv {
             })
         })?;
         let hooks = kube::Api::<MutatingWebhookConfiguration>::all(client.clone());
-        objects::apply(&hooks, &configuration).await?;
+        api_calls::apply(&hooks, &configuration).await?;
         let name = configuration.metadata.name.clone().unwrap_or_default();
         wait::until(
             "the controller's webhook to serve with its CA injected",

@@ -3,6 +3,9 @@
 use std::future::Future;
 use std::time::{Duration, Instant};
 
+use kube::{Api, Resource};
+use serde::de::DeserializeOwned;
+
 /// The condition did not hold in time.
 #[derive(Debug, thiserror::Error)]
 #[error("timed out after {timeout:?} waiting for {what}; last observation: {last}")]
@@ -37,6 +40,20 @@ where
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// Waits until object `name` no longer exists.
+pub async fn wait_gone<K>(api: &Api<K>, name: &str, timeout: Duration) -> Result<(), Timeout>
+where
+    K: Resource + Clone + DeserializeOwned + std::fmt::Debug,
+{
+    until(&format!("{name} to be gone"), timeout, || async {
+        match api.get_opt(name).await.map_err(|e| e.to_string())? {
+            None => Ok(()),
+            Some(_) => Err("still there".to_string()),
+        }
+    })
+    .await
 }
 
 #[cfg(test)]

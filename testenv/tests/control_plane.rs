@@ -5,9 +5,8 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{
-    ConfigMap, PersistentVolumeClaim, PersistentVolumeClaimSpec, Pod, VolumeResourceRequirements,
-};
+use controllers::test_objects;
+use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::storage::v1::{CSIDriver, CSIDriverSpec, CSIStorageCapacity, StorageClass};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, OwnerReference};
@@ -60,12 +59,7 @@ async fn capacity_tracked_class(client: &kube::Client, name: &str) {
     Api::<StorageClass>::all(client.clone())
         .create(
             &pp,
-            &StorageClass {
-                metadata: meta(name),
-                provisioner: name.to_string(),
-                volume_binding_mode: Some("WaitForFirstConsumer".into()),
-                ..Default::default()
-            },
+            &test_objects::storage_class(name, name, "WaitForFirstConsumer"),
         )
         .await
         .expect("create StorageClass");
@@ -74,29 +68,11 @@ async fn capacity_tracked_class(client: &kube::Client, name: &str) {
 async fn claim_and_pod(client: &kube::Client, ns: &str, class: &str, size: &str) {
     let pp = PostParams::default();
     Api::<PersistentVolumeClaim>::namespaced(client.clone(), ns)
-        .create(
-            &pp,
-            &PersistentVolumeClaim {
-                metadata: meta_in("data", ns),
-                spec: Some(PersistentVolumeClaimSpec {
-                    access_modes: Some(vec!["ReadWriteOnce".into()]),
-                    storage_class_name: Some(class.to_string()),
-                    resources: Some(VolumeResourceRequirements {
-                        requests: Some(BTreeMap::from([(
-                            "storage".to_string(),
-                            Quantity(size.to_string()),
-                        )])),
-                        ..Default::default()
-                    }),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            },
-        )
+        .create(&pp, &test_objects::claim(ns, "data", class, size))
         .await
         .expect("create PVC");
     Api::<Pod>::namespaced(client.clone(), ns)
-        .create(&pp, &testenv::objects::pod_with_claim(ns, "app", "data"))
+        .create(&pp, &test_objects::pod_with_claim(ns, "app", "data"))
         .await
         .expect("create Pod");
 }
@@ -163,7 +139,7 @@ async fn scheduler_explains_when_no_node_has_capacity() {
     capacity_tracked_class(&client, &class).await;
     claim_and_pod(&client, &ns, &class, "1Gi").await;
     let message = until("a FailedScheduling event", WAIT, || async {
-        testenv::objects::events(&client, &ns, "reason=FailedScheduling")
+        testenv::api_calls::events(&client, &ns, "reason=FailedScheduling")
             .await
             .map_err(|e| e.to_string())?
             .into_iter()
@@ -194,22 +170,7 @@ async fn controller_manager_removes_protection_finalizer_of_unused_claim() {
     let claim = claims
         .create(
             &PostParams::default(),
-            &PersistentVolumeClaim {
-                metadata: meta_in("unused", &ns),
-                spec: Some(PersistentVolumeClaimSpec {
-                    access_modes: Some(vec!["ReadWriteOnce".into()]),
-                    storage_class_name: Some("no-such-class".into()),
-                    resources: Some(VolumeResourceRequirements {
-                        requests: Some(BTreeMap::from([(
-                            "storage".to_string(),
-                            Quantity("1Gi".into()),
-                        )])),
-                        ..Default::default()
-                    }),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            },
+            &test_objects::claim(&ns, "unused", "no-such-class", "1Gi"),
         )
         .await
         .expect("create PVC");

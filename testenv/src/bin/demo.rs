@@ -114,7 +114,7 @@ async fn main() -> anyhow::Result<()> {
 
 async fn run(env: &TestEnv, n: &Narrator) -> anyhow::Result<()> {
     let client = env.client().await?;
-    testenv::objects::apply(
+    testenv::api_calls::apply(
         &Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone()),
         &serde_json::from_value(serde_json::json!({
             "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}
@@ -141,8 +141,8 @@ async fn run(env: &TestEnv, n: &Narrator) -> anyhow::Result<()> {
         let Some(port) = env.driver_admin_port(&node.name) else {
             continue;
         };
-        let text = testenv::objects::scrape_metrics(port).await;
-        let (count, sum) = testenv::objects::create_volume_calls(&text, "OK");
+        let text = testenv::metrics::scrape_metrics(port).await;
+        let (count, sum) = testenv::metrics::create_volume_calls(&text, "OK");
         n.say(
             "histogram",
             format!(
