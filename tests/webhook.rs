@@ -179,13 +179,9 @@ async fn webhook() {
     // A fresh cluster: the leader creates the Secret and injects the CA.
     until("the CA to be injected", WAIT, || async {
         let config = hooks.get(CONFIGURATION).await.map_err(|e| e.to_string())?;
-        let injected = config.webhooks.unwrap_or_default().iter().all(|w| {
-            w.client_config
-                .ca_bundle
-                .as_ref()
-                .is_some_and(|b| !b.0.is_empty())
-        });
-        injected.then_some(()).ok_or("no caBundle yet".to_string())
+        controller::ca_injected(&config)
+            .then_some(())
+            .ok_or("no caBundle yet".to_string())
     })
     .await
     .expect("caBundle");

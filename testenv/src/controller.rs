@@ -200,6 +200,17 @@ impl TestEnv {
     }
 }
 
+/// Whether every webhook of `configuration` carries a CA bundle: the controller's leader has
+/// injected its CA.
+pub fn ca_injected(configuration: &MutatingWebhookConfiguration) -> bool {
+    configuration.webhooks.iter().flatten().all(|w| {
+        w.client_config
+            .ca_bundle
+            .as_ref()
+            .is_some_and(|b| !b.0.is_empty())
+    })
+}
+
 /// Whether webhook configuration `name` has its CA injected and its webhook accepts
 /// connections on `port`; what it lacks otherwise.
 async fn webhook_serves(
@@ -208,13 +219,7 @@ async fn webhook_serves(
     port: u16,
 ) -> Result<(), String> {
     let config = hooks.get(name).await.map_err(|e| e.to_string())?;
-    let injected = config.webhooks.unwrap_or_default().iter().all(|w| {
-        w.client_config
-            .ca_bundle
-            .as_ref()
-            .is_some_and(|b| !b.0.is_empty())
-    });
-    if !injected {
+    if !ca_injected(&config) {
         return Err("no caBundle yet".into());
     }
     tokio::net::TcpStream::connect(("127.0.0.1", port))

@@ -848,10 +848,10 @@ async fn pause(cancel: &CancellationToken, delay: &mut Duration) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use controllers::test_objects;
     use k8s_openapi::api::core::v1::{
-        CSIPersistentVolumeSource, CSIVolumeSource, EphemeralVolumeSource,
-        PersistentVolumeClaimSpec, PersistentVolumeClaimVolumeSource, PersistentVolumeSpec,
-        PodSpec, Volume,
+        CSIPersistentVolumeSource, EphemeralVolumeSource, PersistentVolumeClaimSpec,
+        PersistentVolumeSpec, PodSpec, Volume,
     };
     use kube::api::ObjectMeta;
 
@@ -880,28 +880,17 @@ mod tests {
         }
     }
 
+    /// A [`test_objects::claim_volume`] that says whether it is read-only.
     fn claim_volume(name: &str, claim: &str, read_only: bool) -> Volume {
-        Volume {
-            name: name.into(),
-            persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
-                claim_name: claim.into(),
-                read_only: Some(read_only),
-            }),
-            ..Default::default()
+        let mut volume = test_objects::claim_volume(name, claim);
+        if let Some(source) = volume.persistent_volume_claim.as_mut() {
+            source.read_only = Some(read_only);
         }
+        volume
     }
 
     fn inline(name: &str, driver: &str) -> Volume {
-        Volume {
-            name: name.into(),
-            csi: Some(CSIVolumeSource {
-                driver: driver.into(),
-                fs_type: Some("xfs".into()),
-                volume_attributes: Some(BTreeMap::from([("size".into(), "1Gi".into())])),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }
+        test_objects::inline_volume(name, driver, Some("1Gi"), Some("xfs"))
     }
 
     fn claim(name: &str, pv: Option<&str>) -> (String, PersistentVolumeClaim) {
