@@ -510,7 +510,7 @@ mod tests {
             &admission_review(&objects::pod_with_claim("ns", "app", "data")).expect("review"),
         )
         .expect("the webhook decodes the review");
-        assert_eq!(review.namespace, "ns");
+        assert_eq!(review.namespace.as_deref(), Some("ns"));
         assert!(review.object.is_some());
         let args = extender::api::decode_request(&extender_args(3).expect("args"))
             .expect("the extender decodes the args");

@@ -3,6 +3,8 @@
 //! `containers[0]`, because kube-scheduler consults an extender with `managedResources` only
 //! for pods that request one of them.
 
+use json_patch::jsonptr::PointerBuf;
+use json_patch::{AddOperation, Patch, PatchOperation, ReplaceOperation};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use serde_json::{Value, json};
@@ -59,56 +61,13 @@ impl Unchanged {
     }
 }
 
-/// One RFC 6902 operation.
-#[derive(Clone, Debug, PartialEq)]
-pub enum PatchOp {
-    /// `add`: creates the member (or replaces it if present).
-    Add {
-        /// JSON pointer.
-        path: String,
-        /// New value.
-        value: Value,
-    },
-    /// `replace`: the member must exist.
-    Replace {
-        /// JSON pointer.
-        path: String,
-        /// New value.
-        value: Value,
-    },
-}
-
-impl PatchOp {
-    /// The operation as a JSON patch entry.
-    pub fn to_json(&self) -> Value {
-        match self {
-            PatchOp::Add { path, value } => json!({"op": "add", "path": path, "value": value}),
-            PatchOp::Replace { path, value } => {
-                json!({"op": "replace", "path": path, "value": value})
-            }
-        }
-    }
-}
-
 /// What the webhook answers.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Decision {
     /// Allow as is.
     Unchanged(Unchanged),
     /// Allow with this JSON patch (never empty).
-    Patch(Vec<PatchOp>),
-}
-
-impl Decision {
-    /// The JSON patch document to send, if any.
-    pub fn patch_document(&self) -> Option<String> {
-        match self {
-            Decision::Unchanged(_) => None,
-            Decision::Patch(ops) => {
-                Some(Value::Array(ops.iter().map(PatchOp::to_json).collect()).to_string())
-            }
-        }
-    }
+    Patch(Patch),
 }
 
 /// The namespace the pod's claims live in: the pod's own, or the request's when the pod has
@@ -123,8 +82,8 @@ pub fn pod_namespace<'a>(pod: &'a Pod, request_namespace: &'a str) -> &'a str {
 
 /// The checks that need no claim or class: the shell calls this first and skips the lookups
 /// when it returns a reason.
-pub fn screen(pod: &Pod, operation: Operation, policy: &WebhookPolicy) -> Option<Unchanged> {
-    if operation != Operation::Create {
+pub fn screen(pod: &Pod, operation: &Operation, policy: &WebhookPolicy) -> Option<Unchanged> {
+    if *operation != Operation::Create {
         return Some(Unchanged::NotCreate);
     }
     let opted_out = pod
@@ -154,7 +113,7 @@ pub fn screen(pod: &Pod, operation: Operation, policy: &WebhookPolicy) -> Option
 /// classes.
 pub fn decide(
     pod: &Pod,
-    operation: Operation,
+    operation: &Operation,
     request_namespace: &str,
     policy: &WebhookPolicy,
     facts: &VolumeFacts,
@@ -173,10 +132,10 @@ pub fn decide(
         .and_then(|c| c.resources.as_ref());
     let key = scheduler_resource(&policy.driver);
     let ops = match resources {
-        None => vec![PatchOp::Add {
-            path: "/spec/containers/0/resources".into(),
-            value: json!({"requests": {&key: MARK}, "limits": {&key: MARK}}),
-        }],
+        None => vec![add(
+            pointer([]),
+            json!({"requests": {&key: MARK}, "limits": {&key: MARK}}),
+        )],
         Some(resources) => [
             ("requests", resources.requests.as_ref()),
             ("limits", resources.limits.as_ref()),
@@ -188,37 +147,42 @@ pub fn decide(
     if ops.is_empty() {
         Decision::Unchanged(Unchanged::AlreadyMarked)
     } else {
-        Decision::Patch(ops)
+        Decision::Patch(Patch(ops))
     }
 }
 
 /// The operation that makes `entries[key]` equal to [`MARK`] in the map `map` of
 /// `containers[0].resources`, if any is needed.
-fn mark(map: &str, entries: Option<&BTreeMap<String, Quantity>>, key: &str) -> Option<PatchOp> {
-    let base = format!("/spec/containers/0/resources/{map}");
+fn mark(
+    map: &str,
+    entries: Option<&BTreeMap<String, Quantity>>,
+    key: &str,
+) -> Option<PatchOperation> {
     match entries {
         // Go omits empty maps, so the member may be absent even when the pod declared `{}`.
-        None => Some(PatchOp::Add {
-            path: base,
-            value: json!({key: MARK}),
-        }),
+        None => Some(add(pointer([map]), json!({key: MARK}))),
         Some(entries) => match entries.get(key) {
             Some(Quantity(value)) if value == MARK => None,
-            Some(_) => Some(PatchOp::Replace {
-                path: format!("{base}/{}", escape_pointer(key)),
+            Some(_) => Some(PatchOperation::Replace(ReplaceOperation {
+                path: pointer([map, key]),
                 value: json!(MARK),
-            }),
-            None => Some(PatchOp::Add {
-                path: format!("{base}/{}", escape_pointer(key)),
-                value: json!(MARK),
-            }),
+            })),
+            None => Some(add(pointer([map, key]), json!(MARK))),
         },
     }
 }
 
-/// RFC 6901 escaping of one reference token: `~` first, so the `~` of `~1` is not escaped again.
-fn escape_pointer(token: &str) -> String {
-    token.replace('~', "~0").replace('/', "~1")
+/// `/spec/containers/0/resources` followed by `tokens`, each escaped as RFC 6901 requires.
+fn pointer<const N: usize>(tokens: [&str; N]) -> PointerBuf {
+    let mut path = PointerBuf::from_tokens(["spec", "containers", "0", "resources"]);
+    for token in tokens {
+        path.push_back(token);
+    }
+    path
+}
+
+fn add(path: PointerBuf, value: Value) -> PatchOperation {
+    PatchOperation::Add(AddOperation { path, value })
 }
 
 #[cfg(test)]
@@ -295,42 +259,26 @@ mod tests {
         pod_json(value)
     }
 
-    /// Applies `add`/`replace` operations, enough for the patches this module makes.
-    fn apply_patch(doc: &mut Value, patch: &str) {
-        let ops: Vec<Value> = serde_json::from_str(patch).expect("patch is JSON");
-        for op in ops {
-            let path = op["path"].as_str().expect("path");
-            let tokens: Vec<String> = path
-                .split('/')
-                .skip(1)
-                .map(|t| t.replace("~1", "/").replace("~0", "~"))
-                .collect();
-            let (last, parents) = tokens.split_last().expect("non-empty path");
-            let mut target = &mut *doc;
-            for token in parents {
-                target = match target {
-                    Value::Array(items) => &mut items[token.parse::<usize>().expect("index")],
-                    Value::Object(map) => map.get_mut(token).expect("parent exists"),
-                    _ => panic!("{path}: parent is a scalar"),
-                };
-            }
-            let map = target.as_object_mut().expect("parent is an object");
-            match op["op"].as_str() {
-                Some("add") => {}
-                Some("replace") => assert!(map.contains_key(last), "{path}: replace of nothing"),
-                other => panic!("unexpected op {other:?}"),
-            }
-            map.insert(last.clone(), op["value"].clone());
+    /// Applies the decision's patch as the apiserver would, failing on a `replace` of nothing.
+    fn apply_patch(doc: &mut Value, decision: &Decision) {
+        if let Decision::Patch(patch) = decision {
+            json_patch::patch(doc, patch).expect("the patch applies");
+        }
+    }
+
+    /// The decision's patch as the JSON document the webhook sends.
+    fn patch_json(decision: &Decision) -> Option<Value> {
+        match decision {
+            Decision::Patch(patch) => Some(serde_json::to_value(patch).expect("patch serializes")),
+            Decision::Unchanged(_) => None,
         }
     }
 
     /// Runs `decide`, applies its patch to the pod's JSON and returns the result.
     fn mutate(pod: &Pod, facts: &VolumeFacts) -> (Decision, Value) {
-        let decision = decide(pod, Operation::Create, "ns", &policy(), facts);
+        let decision = decide(pod, &Operation::Create, "ns", &policy(), facts);
         let mut value = serde_json::to_value(pod).expect("pod serializes");
-        if let Some(patch) = decision.patch_document() {
-            apply_patch(&mut value, &patch);
-        }
+        apply_patch(&mut value, &decision);
         (decision, value)
     }
 
@@ -490,7 +438,7 @@ mod tests {
             ),
         ] {
             assert_eq!(
-                decide(&pod, operation, "ns", &policy(), &facts),
+                decide(&pod, &operation, "ns", &policy(), &facts),
                 Decision::Unchanged(want),
                 "{name}"
             );
@@ -600,21 +548,22 @@ mod tests {
             pvc_pod_with(|v| v["spec"]["containers"][0]["resources"] = json!({"requests": {}}));
         let decision = decide(
             &pod,
-            Operation::Create,
+            &Operation::Create,
             "ns",
             &policy(),
             &facts_for(unbound(), late()),
         );
         assert_eq!(
-            decision
-                .patch_document()
-                .map(|d| serde_json::from_str::<Value>(&d).expect("JSON")),
+            patch_json(&decision),
             Some(json!([
                 {"op": "add", "path": "/spec/containers/0/resources/requests/pmem-csi.intel.com~1scheduler", "value": "1"},
                 {"op": "add", "path": "/spec/containers/0/resources/limits", "value": {KEY: "1"}},
             ]))
         );
-        assert_eq!(escape_pointer("a~b/c"), "a~0b~1c");
+        assert_eq!(
+            pointer(["a~b/c"]).as_str(),
+            "/spec/containers/0/resources/a~0b~1c"
+        );
     }
 
     #[test]
@@ -625,7 +574,7 @@ mod tests {
         for (request_namespace, patched) in [("ns", true), ("elsewhere", false)] {
             let decision = decide(
                 &pod,
-                Operation::Create,
+                &Operation::Create,
                 request_namespace,
                 &policy(),
                 &facts,
@@ -652,13 +601,13 @@ mod tests {
             scheduler_names: vec![DEFAULT_SCHEDULER.into()],
             ..policy()
         };
-        assert_eq!(screen(&pod, Operation::Create, &only_default), None);
+        assert_eq!(screen(&pod, &Operation::Create, &only_default), None);
         let only_custom = WebhookPolicy {
             scheduler_names: vec!["my-scheduler".into()],
             ..policy()
         };
         assert_eq!(
-            screen(&pod, Operation::Create, &only_custom),
+            screen(&pod, &Operation::Create, &only_custom),
             Some(Unchanged::OtherScheduler)
         );
     }
@@ -684,7 +633,8 @@ mod tests {
             let body = std::fs::read(dir.join(file)).expect("readable");
             let request = decode_review(&body).expect("decodes");
             let pod = request.object.expect("object");
-            let namespace = pod_namespace(&pod, &request.namespace).to_string();
+            let request_namespace = request.namespace.as_deref().unwrap_or_default();
+            let namespace = pod_namespace(&pod, request_namespace).to_string();
             let mut facts = VolumeFacts::default();
             for key in claims_to_look_up(&pod, &namespace) {
                 let found =
@@ -701,19 +651,19 @@ mod tests {
             }
             let decision = decide(
                 &pod,
-                request.operation,
-                &request.namespace,
+                &request.operation,
+                request_namespace,
                 &policy(),
                 &facts,
             );
             assert_eq!(
-                decision.patch_document().is_some(),
+                matches!(decision, Decision::Patch(_)),
                 want_patch,
                 "{file}: {decision:?}"
             );
-            if let Some(patch) = decision.patch_document() {
+            if want_patch {
                 let mut value = serde_json::to_value(&pod).expect("serializes");
-                apply_patch(&mut value, &patch);
+                apply_patch(&mut value, &decision);
                 assert_marked(file, &value);
             }
         }

@@ -381,23 +381,34 @@ pub async fn serve(
 
 async fn mutate(State(shared): State<Shared>, body: Bytes) -> Response {
     let started = Instant::now();
-    let response = match admission::decode_review(&body) {
-        Err(e) => (StatusCode::BAD_REQUEST, e.http_body()).into_response(),
+    let answer = match admission::decode_review(&body) {
+        Err(e) => Err(e),
         Ok(request) => {
             let decision = decide(&shared, &request).await;
-            let patch = match &decision {
-                Decision::Patch(_) => decision.patch_document(),
+            let patch = match decision {
+                Decision::Patch(patch) => Some(patch),
                 Decision::Unchanged(reason) => {
                     tracing::debug!(uid = %request.uid, reason = reason.as_str(), "pod unchanged");
                     None
                 }
             };
-            (
-                StatusCode::OK,
-                [(axum::http::header::CONTENT_TYPE, "application/json")],
-                admission::allow_response(&request.uid, patch.as_deref()),
-            )
-                .into_response()
+            admission::allow_response(&request, patch)
+        }
+    };
+    let response = match answer {
+        Ok(body) => (
+            StatusCode::OK,
+            [(axum::http::header::CONTENT_TYPE, "application/json")],
+            body,
+        )
+            .into_response(),
+        Err(e) => {
+            if e.http_status() >= 500 {
+                tracing::error!(error = %e, "answering a review");
+            }
+            let status =
+                StatusCode::from_u16(e.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            (status, e.http_body()).into_response()
         }
     };
     shared
@@ -410,10 +421,11 @@ async fn decide(shared: &Shared, request: &admission::AdmissionRequest) -> Decis
     let Some(pod) = &request.object else {
         return Decision::Unchanged(mutation::Unchanged::NotCreate);
     };
-    if let Some(reason) = mutation::screen(pod, request.operation, &shared.policy) {
+    if let Some(reason) = mutation::screen(pod, &request.operation, &shared.policy) {
         return Decision::Unchanged(reason);
     }
-    let namespace = mutation::pod_namespace(pod, &request.namespace).to_string();
+    let request_namespace = request.namespace.as_deref().unwrap_or_default();
+    let namespace = mutation::pod_namespace(pod, request_namespace).to_string();
     let lookup = ReviewLookup {
         shared,
         fetchable: pod_volumes::claims_to_fetch(pod, &namespace),
@@ -422,8 +434,8 @@ async fn decide(shared: &Shared, request: &admission::AdmissionRequest) -> Decis
     let facts = pod_volumes::gather(pod, &namespace, &lookup).await;
     mutation::decide(
         pod,
-        request.operation,
-        &request.namespace,
+        &request.operation,
+        request_namespace,
         &shared.policy,
         &facts,
     )
@@ -627,7 +639,7 @@ async fn fetch_class(shared: &Shared, name: String) -> Option<ClassFacts> {
 /// bypass reconciler: would the webhook have marked this pod?
 pub fn pod_relevance(stores: Stores, policy: WebhookPolicy) -> controllers::bypass::PodRelevance {
     Arc::new(move |pod| {
-        if mutation::screen(pod, admission::Operation::Create, &policy).is_some() {
+        if mutation::screen(pod, &admission::Operation::Create, &policy).is_some() {
             return false;
         }
         let namespace = pod.metadata.namespace.clone().unwrap_or_default();
