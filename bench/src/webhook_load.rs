@@ -5,6 +5,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use controllers::test_objects;
 use futures::{StreamExt, TryStreamExt};
 use hyper::body::Bytes;
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Secret};
@@ -12,7 +13,7 @@ use k8s_openapi::api::storage::v1::CSIStorageCapacity;
 use kube::Api;
 use kube::api::PostParams;
 use testenv::TestEnv;
-use testenv::objects;
+use testenv::api_calls::create_storage_class;
 use testenv::wait::until;
 
 use crate::http_load::{Endpoint, Outcome, Pool, Transport};
@@ -228,11 +229,11 @@ async fn mutate_on(env: &TestEnv, scale: &Scale) -> anyhow::Result<Vec<Benchmark
     let client = env.client().await?;
     let ns = testenv::test_namespace(&client, "mutate-load").await?;
     let class = format!("{ns}-pmem");
-    objects::create_storage_class(&client, &class, DRIVER, "WaitForFirstConsumer").await?;
+    create_storage_class(&client, &class, DRIVER, "WaitForFirstConsumer").await?;
     Api::<PersistentVolumeClaim>::namespaced(client.clone(), &ns)
         .create(
             &PostParams::default(),
-            &objects::claim(&ns, "data", &class, "1Gi"),
+            &test_objects::claim(&ns, "data", &class, "1Gi"),
         )
         .await
         .context("creating the claim")?;
@@ -244,7 +245,7 @@ async fn mutate_on(env: &TestEnv, scale: &Scale) -> anyhow::Result<Vec<Benchmark
     ];
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let controller = env.supervise_controller("bench-webhook-controller", &args)?;
-    let body = admission_review(&objects::pod_with_claim(&ns, "app", "data"))?;
+    let body = admission_review(&test_objects::pod_with_claim(&ns, "app", "data"))?;
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], webhook));
     let secrets = Api::<Secret>::namespaced(client.clone(), NAMESPACE);
     // Ready when the Secret holds the CA and the webhook, trusting only that CA, patches the
@@ -358,8 +359,8 @@ fn node_name(i: usize) -> String {
 
 /// ExtenderArgs for a pod with one 1 GiB CSI inline volume of the driver and `names` nodes.
 fn extender_args(names: usize) -> anyhow::Result<Bytes> {
-    let mut pod = objects::with_scheduler_resource(
-        objects::pod_with_inline_volume("filter-load", "app", DRIVER, "1Gi"),
+    let mut pod = test_objects::with_scheduler_resource(
+        test_objects::pod_with_inline_volume("filter-load", "app", DRIVER, "1Gi"),
         DRIVER,
     );
     // Reservations are keyed by the UID: every request re-filters the same pod, as the
@@ -399,14 +400,14 @@ async fn filter_on(env: &TestEnv, scale: &Scale) -> anyhow::Result<Vec<Benchmark
         .extender_addresses()
         .context("the testenv runs no extender")?;
     let client = env.client().await?;
-    objects::create_storage_class(&client, CAPACITY_CLASS, DRIVER, "WaitForFirstConsumer").await?;
+    create_storage_class(&client, CAPACITY_CLASS, DRIVER, "WaitForFirstConsumer").await?;
     let nodes = scale.filter_names.iter().copied().max().unwrap_or(0);
     let api = Api::<CSIStorageCapacity>::namespaced(client.clone(), NAMESPACE);
     // Creating the objects is not measured; a few dozen requests in flight keep it short.
     futures::stream::iter((0..nodes).map(|i| {
         let api = api.clone();
         async move {
-            let capacity = objects::published_capacity(
+            let capacity = test_objects::published_capacity(
                 NAMESPACE,
                 DRIVER,
                 &node_name(i),
@@ -507,7 +508,7 @@ mod tests {
     #[test]
     fn bodies_are_what_the_servers_decode() {
         let review = webhooks::admission::decode_review(
-            &admission_review(&objects::pod_with_claim("ns", "app", "data")).expect("review"),
+            &admission_review(&test_objects::pod_with_claim("ns", "app", "data")).expect("review"),
         )
         .expect("the webhook decodes the review");
         assert_eq!(review.namespace.as_deref(), Some("ns"));

@@ -22,7 +22,6 @@ pub mod mutations;
 pub mod node_driver;
 pub mod node_processes;
 pub mod nodes;
-pub mod objects;
 pub mod pki;
 pub mod ports;
 pub mod process;
