@@ -1,5 +1,5 @@
 //! The pod mutating webhook (HTTPS, in `pmem-csi controller`): which pods to mark for the
-//! scheduler extender, its AdmissionReview codec, and its TLS (rustls, file reload, the
+//! scheduler extender, its AdmissionReview decoding, and its TLS (rustls, file reload, the
 //! self-signed CA and its Secret).
 //!
 //! Sans-IO cores (the mutation decision, the certificate rules) are pure functions over plain

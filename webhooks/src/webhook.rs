@@ -488,40 +488,61 @@ struct ReviewLookup<'a> {
     deadline: tokio::time::Instant,
 }
 
-impl pod_volumes::Lookup for ReviewLookup<'_> {
-    async fn claims(&self, keys: Vec<ClaimKey>) -> Vec<(ClaimKey, Option<ClaimFacts>)> {
+impl ReviewLookup<'_> {
+    /// Each key from the cache; the misses `fetchable` allows by `fetch`, under the review's
+    /// deadline; the other misses as not found.
+    async fn cache_then_fetch<K, T, Fut>(
+        &self,
+        keys: Vec<K>,
+        cached: impl Fn(&K) -> Option<T>,
+        fetchable: impl Fn(&K) -> bool,
+        fetch: impl Fn(K) -> Fut,
+    ) -> Vec<(K, Option<T>)>
+    where
+        K: Clone + Ord,
+        Fut: std::future::Future<Output = Option<T>>,
+    {
         let mut found = Vec::with_capacity(keys.len());
         let mut missing = Vec::new();
         for key in keys {
-            match cached_claim(self.shared, &key) {
-                Some(claim) => found.push((key, Some(claim))),
-                None if self.fetchable.contains(&key) => missing.push(key),
-                None => {
-                    self.shared.metrics.lookup("claim", "missing");
-                    found.push((key, None));
-                }
+            match cached(&key) {
+                Some(value) => found.push((key, Some(value))),
+                None if fetchable(&key) => missing.push(key),
+                None => found.push((key, None)),
             }
         }
-        found.extend(fetch_all(missing, self.deadline, |key| fetch_claim(self.shared, key)).await);
+        found.extend(fetch_all(missing, self.deadline, fetch).await);
         found
+    }
+}
+
+impl pod_volumes::Lookup for ReviewLookup<'_> {
+    async fn claims(&self, keys: Vec<ClaimKey>) -> Vec<(ClaimKey, Option<ClaimFacts>)> {
+        let fetchable = |key: &ClaimKey| {
+            let fetchable = self.fetchable.contains(key);
+            if !fetchable {
+                self.shared.metrics.lookup("claim", "missing");
+            }
+            fetchable
+        };
+        self.cache_then_fetch(
+            keys,
+            |key| cached_claim(self.shared, key),
+            fetchable,
+            |key| fetch_claim(self.shared, key),
+        )
+        .await
     }
 
     async fn classes(&self, names: Vec<String>) -> Vec<(String, Option<ClassFacts>)> {
-        let mut found = Vec::with_capacity(names.len());
-        let mut missing = Vec::new();
-        for name in names {
-            match cached_class(self.shared, &name) {
-                Some(class) => found.push((name, Some(class))),
-                None => missing.push(name),
-            }
-        }
-        found.extend(
-            fetch_all(missing, self.deadline, |name| {
-                fetch_class(self.shared, name)
-            })
-            .await,
-        );
-        found
+        let cached = |name: &String| cached_class(self.shared, name);
+        self.cache_then_fetch(
+            names,
+            cached,
+            |_| true,
+            |name| fetch_class(self.shared, name),
+        )
+        .await
     }
 
     async fn default_class(&self) -> Option<ClassFacts> {
