@@ -90,7 +90,15 @@ fn ensure_on_a_bare_path_names_every_package_and_just() {
         .filter(|(program, _)| {
             !matches!(
                 program.as_str(),
-                "ndctl" | "lvcreate" | "lvremove" | "lvs" | "vgs" | "vgcreate" | "vgextend" | "pvs"
+                "ndctl"
+                    | "lvcreate"
+                    | "lvextend"
+                    | "lvremove"
+                    | "lvs"
+                    | "vgs"
+                    | "vgcreate"
+                    | "vgextend"
+                    | "pvs"
             )
         })
         .map(|(_, package)| package)

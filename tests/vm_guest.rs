@@ -24,6 +24,8 @@ const MI: u64 = 1 << 20;
 
 /// csi-sanity's spec count per configuration (csi-test v5.4.0), as on the host.
 const SANITY_SPECS: usize = 41;
+/// lvm volumes grow: the four NodeExpandVolume specs run too (direct skips them).
+const LVM_SANITY_SPECS: usize = SANITY_SPECS + 4;
 
 /// `STATX_ATTR_DAX` (linux/stat.h).
 const STATX_ATTR_DAX: u64 = 0x0020_0000;
@@ -108,11 +110,19 @@ async fn sanity(mode: &str, access: &str) {
     let root = tempfile::tempdir().expect("tempdir");
     let dirs = NodeDriverDirs::under(root.path());
     let args = driver_args(mode, &dirs, &[]);
-    let mut extra = vec![format!("--csi.testvolumesize={}", 64 * MI)];
+    let mut extra = vec![
+        format!("--csi.testvolumesize={}", 64 * MI),
+        format!("--csi.testvolumeexpandsize={}", 128 * MI),
+    ];
     if access == "block" {
         extra.push("--csi.testvolumeaccesstype=block".into());
     }
-    csi_sanity::check(bin(), &name, root.path(), &dirs, args, &extra, SANITY_SPECS).await;
+    let floor = if mode == "lvm" {
+        LVM_SANITY_SPECS
+    } else {
+        SANITY_SPECS
+    };
+    csi_sanity::check(bin(), &name, root.path(), &dirs, args, &extra, floor).await;
     assert!(
         backend_volumes(mode).is_empty(),
         "{name}: volumes left: {:?}",
@@ -132,6 +142,93 @@ async fn lvm_passes_csi_sanity() {
 async fn direct_passes_csi_sanity() {
     sanity("direct", "mount").await;
     sanity("direct", "block").await;
+}
+
+/// lvm volumes grow while in use (`lvextend`, then the file system online); direct-mode
+/// namespaces cannot, and the node says so instead of offering EXPAND_VOLUME.
+#[tokio::test]
+#[ignore = "in the QEMU guest: just vm-test"]
+async fn lvm_volumes_grow_in_use_and_direct_ones_refuse() {
+    reset_pmem();
+    let mut h = harness("lvm", &[]).await;
+    for fs in ["ext4", "xfs"] {
+        let (size, grown) = if fs == "xfs" {
+            (320 * MI, 512 * MI)
+        } else {
+            (64 * MI, 128 * MI)
+        };
+        let id = h
+            .create(&format!("grow-{fs}"), size as i64, &[])
+            .await
+            .volume_id;
+        h.stage(&id, mount(fs)).await.expect("stage");
+        let target = h.path("target");
+        h.publish(&id, &target, mount(fs), false, &[])
+            .await
+            .expect("publish");
+        std::fs::write(target.join("data"), b"before").expect("write");
+        let reported = h.expand(&id, &target, grown as i64).await.expect("expand");
+        assert_eq!(reported, grown as i64, "{fs}");
+        let s = rustix::fs::statvfs(&target).expect("statvfs");
+        let bytes = s.f_blocks * s.f_frsize;
+        assert!(
+            bytes > size && bytes <= grown,
+            "{fs}: {bytes} bytes after growing"
+        );
+        assert_eq!(std::fs::read(target.join("data")).expect("read"), b"before");
+        h.unpublish(&id, &target).await;
+        h.unstage(&id).await;
+        h.delete(&id).await;
+    }
+    let id = h.create("grow-raw", 64 * MI as i64, &[]).await.volume_id;
+    h.stage(&id, block()).await.expect("stage");
+    let target = h.path("raw-target");
+    h.publish(&id, &target, block(), false, &[])
+        .await
+        .expect("publish");
+    h.expand(&id, &target, 128 * MI as i64)
+        .await
+        .expect("expand raw");
+    let mut device = std::fs::File::open(&target).expect("open");
+    let end = std::io::Seek::seek(&mut device, std::io::SeekFrom::End(0)).expect("seek");
+    assert_eq!(end, 128 * MI);
+    drop(device);
+    h.unpublish(&id, &target).await;
+    h.unstage(&id).await;
+    h.delete(&id).await;
+    h.finish().await;
+    assert!(backend_volumes("lvm").is_empty());
+
+    reset_pmem();
+    let mut h = harness("direct", &[]).await;
+    let id = h.create("no-growth", 64 * MI as i64, &[]).await.volume_id;
+    h.stage(&id, mount("ext4")).await.expect("stage");
+    let target = h.path("target");
+    h.publish(&id, &target, mount("ext4"), false, &[])
+        .await
+        .expect("publish");
+    let err = h
+        .expand(&id, &target, 128 * MI as i64)
+        .await
+        .expect_err("direct volumes cannot grow");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("cannot grow in place"), "{err:?}");
+    let capabilities = h
+        .node
+        .node_get_capabilities(driver::csi::NodeGetCapabilitiesRequest {})
+        .await
+        .expect("capabilities")
+        .into_inner();
+    assert!(
+        !format!("{capabilities:?}").contains("ExpandVolume")
+            && capabilities.capabilities.len() == 2,
+        "{capabilities:?}"
+    );
+    h.unpublish(&id, &target).await;
+    h.unstage(&id).await;
+    h.delete(&id).await;
+    h.finish().await;
+    assert!(backend_volumes("direct").is_empty());
 }
 
 fn has_dax(file: &Path) -> bool {

@@ -27,6 +27,8 @@ PROGRAMS=(
     "umount mount"
     "mkfs.ext4 e2fsprogs"
     "mkfs.xfs xfsprogs"
+    "resize2fs e2fsprogs"
+    "xfs_growfs xfsprogs"
     "ip iproute2"
     "tar tar"
     "git git"
@@ -43,6 +45,7 @@ PROGRAMS=(
 GUEST_ONLY=(
     "ndctl ndctl"
     "lvcreate lvm2"
+    "lvextend lvm2"
     "lvremove lvm2"
     "lvs lvm2"
     "vgs lvm2"

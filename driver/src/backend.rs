@@ -99,6 +99,14 @@ pub enum BackendError {
         /// Device.
         device: String,
     },
+    /// Volumes of this mode cannot grow.
+    #[error("volumes in device mode {mode} cannot grow: {reason}")]
+    CannotGrow {
+        /// The mode.
+        mode: &'static str,
+        /// Why not.
+        reason: &'static str,
+    },
     /// The backend has no block devices.
     #[error("device mode {mode} has no block devices: volumes cannot be staged or published")]
     NoDevices {
@@ -186,6 +194,24 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn delete(&self, id: &str, erase: bool) -> Result<(), BackendError>;
     /// The size of volume `id` if it exists.
     fn size_of(&self, id: &str) -> Result<Option<u64>, BackendError>;
+    /// Grows volume `id` to `size` bytes (already aligned) within its pool, all or nothing: the
+    /// room is checked before anything changes, and a failed growth leaves the old size. A
+    /// volume already that large is not an error. An attached device shows the new size on
+    /// return.
+    fn grow(&self, id: &str, size: u64) -> Result<(), BackendError> {
+        let _ = (id, size);
+        Err(BackendError::CannotGrow {
+            mode: self.mode().as_str(),
+            reason: self
+                .growth_refused()
+                .unwrap_or("the mode does not support it"),
+        })
+    }
+    /// Why volumes of this mode cannot grow; `None` when [`Backend::grow`] grows them (the
+    /// node then offers NodeExpandVolume).
+    fn growth_refused(&self) -> Option<&'static str> {
+        Some("the mode does not support it")
+    }
     /// IDs of every volume the backend holds.
     fn list(&self) -> Result<Vec<String>, BackendError>;
     /// A block device for volume `id`, attaching one if needed (idempotent).

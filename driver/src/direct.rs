@@ -270,6 +270,12 @@ impl Backend for Direct {
         DeviceMode::Direct
     }
 
+    fn growth_refused(&self) -> Option<&'static str> {
+        Some(
+            "an fsdax namespace cannot grow in place (its StorageClasses say allowVolumeExpansion: false)",
+        )
+    }
+
     fn alignment(&self) -> u64 {
         self.alignment
     }

@@ -156,6 +156,60 @@ impl Backend for Emulated {
         Ok(())
     }
 
+    fn growth_refused(&self) -> Option<&'static str> {
+        None
+    }
+
+    fn grow(&self, id: &str, size: u64) -> Result<(), BackendError> {
+        let _guard = self.lock();
+        let path = self.file(id);
+        let Some(existing) = self.size_of(id)? else {
+            return Err(BackendError::io(
+                "growing",
+                path.display(),
+                "no such volume file",
+            ));
+        };
+        if existing < size {
+            let need = size - existing;
+            let free = self.free(self.used_except(None)?)?;
+            if need > free {
+                return Err(BackendError::NoSpace {
+                    need,
+                    largest: align_down(free, EMULATED_ALIGNMENT),
+                    free,
+                });
+            }
+            let file = OpenOptions::new()
+                .write(true)
+                .open(&path)
+                .map_err(|e| BackendError::io("opening", path.display(), e))?;
+            if let Err(e) = rustix::fs::fallocate(&file, FallocateFlags::empty(), 0, size) {
+                // fallocate may have extended the file part of the way: back to the old size,
+                // whose blocks it did not touch.
+                if let Err(undo) = file.set_len(existing) {
+                    tracing::error!(file = %path.display(), "undoing a failed growth: {undo}");
+                }
+                return Err(if e == rustix::io::Errno::NOSPC {
+                    BackendError::NoSpace {
+                        need,
+                        largest: 0,
+                        free: 0,
+                    }
+                } else {
+                    BackendError::io("growing", path.display(), e)
+                });
+            }
+            crate::faults::point("after-growth-allocation");
+        }
+        // Also when the file had grown already: a crash may have come before the loop device
+        // learnt its new size.
+        match loopdev::find(&path) {
+            Some(device) => loopdev::refresh_capacity(&device),
+            None => Ok(()),
+        }
+    }
+
     fn delete(&self, id: &str, erase: bool) -> Result<(), BackendError> {
         let path = self.file(id);
         if !path.exists() {

@@ -154,6 +154,7 @@ impl VolumeError {
             VolumeError::Backend(
                 BackendError::InUse { .. }
                 | BackendError::NoDevices { .. }
+                | BackendError::CannotGrow { .. }
                 | BackendError::Missing { .. },
             )
             | VolumeError::Fs(FsError::Missing { .. }) => Code::FailedPrecondition,
@@ -204,6 +205,16 @@ mod tests {
             (VolumeError::backend("v", no_space), Code::ResourceExhausted),
             (
                 VolumeError::backend("v", BackendError::NoDevices { mode: "fake" }),
+                Code::FailedPrecondition,
+            ),
+            (
+                VolumeError::backend(
+                    "v",
+                    BackendError::CannotGrow {
+                        mode: "direct",
+                        reason: "r",
+                    },
+                ),
                 Code::FailedPrecondition,
             ),
             (

@@ -77,6 +77,30 @@ impl Backend for Fake {
         Ok(())
     }
 
+    fn growth_refused(&self) -> Option<&'static str> {
+        None
+    }
+
+    fn grow(&self, id: &str, size: u64) -> Result<(), BackendError> {
+        let mut volumes = self.volumes();
+        let Some(&existing) = volumes.get(id) else {
+            return Err(BackendError::io("growing", id, "no such volume"));
+        };
+        if existing >= size {
+            return Ok(());
+        }
+        let free = Self::free(&volumes, self.size);
+        if size - existing > free {
+            return Err(BackendError::NoSpace {
+                need: size - existing,
+                largest: align_down(free, FAKE_ALIGNMENT),
+                free,
+            });
+        }
+        volumes.insert(id.to_string(), size);
+        Ok(())
+    }
+
     fn delete(&self, id: &str, _erase: bool) -> Result<(), BackendError> {
         self.volumes().remove(id);
         Ok(())
@@ -132,5 +156,24 @@ mod tests {
             fake.attach("b"),
             Err(BackendError::NoDevices { .. })
         ));
+    }
+
+    #[test]
+    fn growth_is_bounded_by_the_budget() {
+        let fake = Fake::new(4 * FAKE_ALIGNMENT);
+        fake.create("a", FAKE_ALIGNMENT, Usage::AppDirect)
+            .expect("a fits");
+        fake.create("b", FAKE_ALIGNMENT, Usage::AppDirect)
+            .expect("b fits");
+        fake.grow("a", 2 * FAKE_ALIGNMENT).expect("a grows");
+        fake.grow("a", FAKE_ALIGNMENT).expect("smaller is a no-op");
+        assert_eq!(fake.size_of("a").expect("size"), Some(2 * FAKE_ALIGNMENT));
+        let err = fake.grow("a", 4 * FAKE_ALIGNMENT).expect_err("no room");
+        assert!(
+            matches!(err, BackendError::NoSpace { need, free, .. } if need == 2 * FAKE_ALIGNMENT && free == FAKE_ALIGNMENT),
+            "{err}"
+        );
+        assert_eq!(fake.size_of("a").expect("size"), Some(2 * FAKE_ALIGNMENT));
+        assert!(fake.grow("missing", FAKE_ALIGNMENT).is_err());
     }
 }

@@ -148,7 +148,12 @@ pub fn make(device: &Path, fs: FsType) -> Result<(), FsError> {
     };
     let mut args: Vec<&std::ffi::OsStr> = options.iter().map(|o| o.as_ref()).collect();
     args.push(device.as_os_str());
-    let out = tool::output(tool, &args).map_err(|e| FsError::run(tool, device, e))?;
+    run(tool, &args, device)
+}
+
+/// Runs `tool` with `args` on `device`'s behalf, failing with its message.
+fn run(tool: &'static str, args: &[&std::ffi::OsStr], device: &Path) -> Result<(), FsError> {
+    let out = tool::output(tool, args).map_err(|e| FsError::run(tool, device, e))?;
     if !out.status.success() {
         return Err(FsError::Failed {
             tool,
@@ -157,4 +162,52 @@ pub fn make(device: &Path, fs: FsType) -> Result<(), FsError> {
         });
     }
     Ok(())
+}
+
+/// `CAP_SYS_RESOURCE` (linux/capability.h).
+const CAP_SYS_RESOURCE: u32 = 24;
+
+/// Why the file system `fs_type` (a mount's type; `devtmpfs` is a raw block volume) cannot grow
+/// while mounted here, if it cannot: checked before the device grows, so that a refusal changes
+/// nothing.
+pub fn online_growth_refused(fs_type: &str) -> Option<String> {
+    match fs_type {
+        // The kernel's EXT4_IOC_RESIZE_FS demands it; xfs_growfs needs CAP_SYS_ADMIN, which
+        // mounting needed already.
+        "ext4" if !has_effective_capability(CAP_SYS_RESOURCE) => Some(
+            "growing a mounted ext4 file system needs CAP_SYS_RESOURCE, which the node driver's process lacks (run its container privileged, as the manifests do)".into(),
+        ),
+        "ext4" | "xfs" | "devtmpfs" => None,
+        other => Some(format!("the driver cannot grow a mounted {other} file system")),
+    }
+}
+
+/// Whether this process has capability `bit` in its effective set (`CapEff` of
+/// /proc/self/status); false when that cannot be read.
+fn has_effective_capability(bit: u32) -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            let hex = status.lines().find_map(|l| l.strip_prefix("CapEff:"))?;
+            u64::from_str_radix(hex.trim(), 16).ok()
+        })
+        .is_some_and(|set| set & (1 << bit) != 0)
+}
+
+/// Grows the file system `fs_type` mounted at `mount_point` from `device` to fill the device,
+/// online: `resize2fs` for ext4 (on the device), `xfs_growfs` for xfs (on the mount point).
+/// Both do nothing, successfully, when there is nothing to grow, so a retry is harmless.
+pub fn grow(fs_type: &str, device: &Path, mount_point: &Path) -> Result<(), FsError> {
+    let (tool, target) = match fs_type {
+        "ext4" => ("resize2fs", device),
+        "xfs" => ("xfs_growfs", mount_point),
+        other => {
+            return Err(FsError::Failed {
+                tool: "growing",
+                device: device.display().to_string(),
+                reason: format!("the driver cannot grow a {other} file system"),
+            });
+        }
+    };
+    run(tool, &[target.as_os_str()], device)
 }

@@ -16,6 +16,8 @@ pub struct IdentityService {
     pub name: String,
     /// Vendor version.
     pub version: String,
+    /// Whether volumes grow while in use (the node's NodeExpandVolume; direct mode cannot).
+    pub online_expansion: bool,
 }
 
 #[tonic::async_trait]
@@ -40,11 +42,23 @@ impl Identity for IdentityService {
                 plugin_capability::Service { r#type: t as i32 },
             )),
         };
+        let mut capabilities = vec![
+            capability(service::Type::ControllerService),
+            capability(service::Type::VolumeAccessibilityConstraints),
+        ];
+        // ONLINE, not OFFLINE: the spec ties OFFLINE to ControllerExpandVolume, which the
+        // driver does not offer; growth happens on the node, mounted.
+        if self.online_expansion {
+            capabilities.push(PluginCapability {
+                r#type: Some(plugin_capability::Type::VolumeExpansion(
+                    plugin_capability::VolumeExpansion {
+                        r#type: plugin_capability::volume_expansion::Type::Online as i32,
+                    },
+                )),
+            });
+        }
         Ok(Response::new(GetPluginCapabilitiesResponse {
-            capabilities: vec![
-                capability(service::Type::ControllerService),
-                capability(service::Type::VolumeAccessibilityConstraints),
-            ],
+            capabilities,
         }))
     }
 

@@ -27,7 +27,7 @@ pub mod node;
 pub mod parameters;
 pub mod program;
 pub mod repair;
-
+pub mod resizer_endpoint;
 pub mod server;
 pub mod state;
 pub mod tool;
@@ -259,6 +259,7 @@ impl NodeDriver {
         let identity = identity::IdentityService {
             name: self.config.driver_name.clone(),
             version: env!("CARGO_PKG_VERSION").to_string(),
+            online_expansion: self.volumes.backend().growth_refused().is_none(),
         };
         let controller = controller::ControllerService {
             volumes: self.volumes.clone(),

@@ -51,13 +51,23 @@ pub fn attach(file: &Path) -> Result<PathBuf, BackendError> {
     Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
 }
 
+/// Makes the kernel re-read the size of `device`'s backing file (after it grew).
+pub fn refresh_capacity(device: &Path) -> Result<(), BackendError> {
+    losetup("--set-capacity", "refreshing the size of", device)
+}
+
 /// Detaches `device`.
 pub fn detach(device: &Path) -> Result<(), BackendError> {
-    let out = tool::output("losetup", &["--detach".as_ref(), device.as_os_str()])
+    losetup("--detach", "detaching", device)
+}
+
+/// `losetup <option> <device>`, failing with `op` and losetup's message.
+fn losetup(option: &str, op: &'static str, device: &Path) -> Result<(), BackendError> {
+    let out = tool::output("losetup", &[option.as_ref(), device.as_os_str()])
         .map_err(|e| BackendError::tool("running losetup for", device.display(), e))?;
     if !out.status.success() {
         return Err(BackendError::io(
-            "detaching",
+            op,
             device.display(),
             String::from_utf8_lossy(&out.stderr).trim(),
         ));

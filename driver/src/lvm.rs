@@ -428,6 +428,47 @@ impl Backend for Lvm {
         block_device::scrub(id, &path, size, false)
     }
 
+    fn growth_refused(&self) -> Option<&'static str> {
+        None
+    }
+
+    fn grow(&self, id: &str, size: u64) -> Result<(), BackendError> {
+        let _guard = self.lock();
+        let Some(lv) = self.volume(id)? else {
+            return Err(BackendError::io(
+                "growing",
+                format!("logical volume {id}"),
+                "it does not exist",
+            ));
+        };
+        if lv.size >= size {
+            return Ok(());
+        }
+        let need = size - lv.size;
+        // A logical volume grows within its own group only.
+        let free = Self::groups(std::slice::from_ref(&lv.vg))?
+            .first()
+            .map_or(0, |g| g.free);
+        let no_space = || BackendError::NoSpace {
+            need,
+            largest: align_down(free, LVM_ALIGNMENT),
+            free,
+        };
+        if need > align_down(free, LVM_ALIGNMENT) {
+            return Err(no_space());
+        }
+        let target = format!("{}/{}", lv.vg, lv.name);
+        match tool::run("lvextend", &["-L", &format!("{size}B"), &target]) {
+            Ok(_) => Ok(()),
+            Err(e) if is_no_space(e.stderr()) => Err(no_space()),
+            Err(e) => Err(BackendError::tool(
+                "growing",
+                format!("logical volume {target}"),
+                e,
+            )),
+        }
+    }
+
     fn delete(&self, id: &str, erase: bool) -> Result<(), BackendError> {
         let _guard = self.lock();
         let Some(lv) = self.volume(id)? else {

@@ -42,6 +42,13 @@ fn required<'a>(value: &'a str, field: &'static str) -> Result<&'a str, VolumeEr
     }
 }
 
+fn non_negative(value: i64, field: &'static str) -> Result<u64, VolumeError> {
+    u64::try_from(value).map_err(|_| VolumeError::Invalid {
+        field,
+        reason: format!("{value} is negative"),
+    })
+}
+
 fn mount_at(path: &Path) -> Result<Option<MountInfo>, VolumeError> {
     mounts::at(path).map_err(VolumeError::io("reading mountinfo for", path.display()))
 }
@@ -73,6 +80,25 @@ impl NodeService {
                 wanted: fs.as_str().to_string(),
             }),
         }
+    }
+
+    /// The device of volume `id` and its mount at `path` (a staged or published file system,
+    /// or the bound device node of a raw block volume); `NotMounted` when it is not there.
+    fn available_at(&self, id: &str, path: &Path) -> Result<(PathBuf, MountInfo), VolumeError> {
+        let not_mounted = || VolumeError::NotMounted {
+            id: id.to_string(),
+            path: path.display().to_string(),
+        };
+        let device = self
+            .volumes
+            .backend_of(id)?
+            .attached(id)
+            .map_err(VolumeError::Backend)?
+            .ok_or_else(not_mounted)?;
+        let mount = mount_at(path)?
+            .filter(|m| m.shows_device(&device))
+            .ok_or_else(not_mounted)?;
+        Ok((device, mount))
     }
 
     /// Attaches, formats if empty and mounts volume `id` at `target`.
@@ -421,19 +447,7 @@ impl Node for NodeService {
             .volumes
             .get(&id)
             .ok_or(VolumeError::Unknown { id: id.clone() })?;
-        let not_mounted = || VolumeError::NotMounted {
-            id: id.clone(),
-            path: path.display().to_string(),
-        };
-        let device = self
-            .volumes
-            .backend_of(&id)?
-            .attached(&id)
-            .map_err(VolumeError::Backend)?
-            .ok_or_else(not_mounted)?;
-        let mount = mount_at(&path)?
-            .filter(|m| m.shows_device(&device))
-            .ok_or_else(not_mounted)?;
+        let (_, mount) = self.available_at(&id, &path)?;
         let usage = if mount.fs_type == "devtmpfs" {
             vec![VolumeUsage {
                 total: volume.size,
@@ -470,9 +484,40 @@ impl Node for NodeService {
 
     async fn node_expand_volume(
         &self,
-        _request: Request<NodeExpandVolumeRequest>,
+        request: Request<NodeExpandVolumeRequest>,
     ) -> Result<Response<NodeExpandVolumeResponse>, Status> {
-        Err(Status::unimplemented("NodeExpandVolume is not supported"))
+        let r = request.into_inner();
+        let id = required(&r.volume_id, "volume_id")?.to_string();
+        let path = PathBuf::from(required(&r.volume_path, "volume_path")?);
+        let (required_bytes, limit) = match &r.capacity_range {
+            None => (0, 0),
+            Some(range) => (
+                non_negative(range.required_bytes, "capacity_range.required_bytes")?,
+                non_negative(range.limit_bytes, "capacity_range.limit_bytes")?,
+            ),
+        };
+        let _guard = self.volumes.lock(&id).await;
+        let capacity_bytes = blocking(|| -> Result<i64, VolumeError> {
+            if self.volumes.get(&id).is_none() {
+                return Err(VolumeError::Unknown { id: id.clone() });
+            }
+            // Online only: the volume must be staged and published where the call says, so
+            // that its file system grows with it.
+            let (device, mount) = self.available_at(&id, &path)?;
+            if let Some(reason) = filesystem::online_growth_refused(&mount.fs_type) {
+                return Err(VolumeError::Precondition(format!(
+                    "volume {id} cannot grow: {reason}"
+                )));
+            }
+            let grown = self.volumes.expand_locked(&id, required_bytes, limit)?;
+            // A raw block volume is its device, which has grown; a file system grows now, and
+            // again harmlessly when the call is repeated after a failure here.
+            if mount.fs_type != "devtmpfs" {
+                filesystem::grow(&mount.fs_type, &device, &path)?;
+            }
+            Ok(grown.size)
+        })?;
+        Ok(Response::new(NodeExpandVolumeResponse { capacity_bytes }))
     }
 
     async fn node_get_capabilities(
@@ -484,12 +529,15 @@ impl Node for NodeService {
                 node_service_capability::Rpc { r#type: t as i32 },
             )),
         };
-        Ok(Response::new(NodeGetCapabilitiesResponse {
-            capabilities: vec![
-                capability(rpc::Type::StageUnstageVolume),
-                capability(rpc::Type::GetVolumeStats),
-            ],
-        }))
+        let mut capabilities = vec![
+            capability(rpc::Type::StageUnstageVolume),
+            capability(rpc::Type::GetVolumeStats),
+        ];
+        // Direct-mode namespaces cannot grow: kubelet must not be told otherwise.
+        if self.volumes.backend().growth_refused().is_none() {
+            capabilities.push(capability(rpc::Type::ExpandVolume));
+        }
+        Ok(Response::new(NodeGetCapabilitiesResponse { capabilities }))
     }
 
     async fn node_get_info(

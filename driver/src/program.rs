@@ -28,8 +28,11 @@ pub const ALL: &[Program] = &[
     program("wipefs", "util-linux"),
     program("mkfs.ext4", "e2fsprogs"),
     program("mkfs.xfs", "xfsprogs"),
+    program("resize2fs", "e2fsprogs"),
+    program("xfs_growfs", "xfsprogs"),
     program("ndctl", "ndctl"),
     program("lvcreate", "lvm2"),
+    program("lvextend", "lvm2"),
     program("lvremove", "lvm2"),
     program("lvs", "lvm2"),
     program("vgs", "lvm2"),
@@ -43,15 +46,26 @@ pub const ALL: &[Program] = &[
 pub fn needed(mode: DeviceMode) -> Vec<Program> {
     let names: &[&str] = match mode {
         DeviceMode::Fake => &[],
-        DeviceMode::Emulated => &["blkid", "losetup", "mkfs.ext4", "mkfs.xfs"],
+        DeviceMode::Emulated => &[
+            "blkid",
+            "losetup",
+            "mkfs.ext4",
+            "mkfs.xfs",
+            "resize2fs",
+            "xfs_growfs",
+        ],
+        // Direct-mode volumes never grow.
         DeviceMode::Direct => &["blkid", "mkfs.ext4", "mkfs.xfs", "ndctl"],
         DeviceMode::Lvm => &[
             "blkid",
             "mkfs.ext4",
             "mkfs.xfs",
+            "resize2fs",
+            "xfs_growfs",
             "ndctl",
             "wipefs",
             "lvcreate",
+            "lvextend",
             "lvremove",
             "lvs",
             "vgs",
@@ -181,7 +195,7 @@ mod tests {
             }
         }
         assert!(needed(DeviceMode::Fake).is_empty());
-        assert_eq!(needed(DeviceMode::Lvm).len(), 12);
+        assert_eq!(needed(DeviceMode::Lvm).len(), 15);
     }
 
     #[test]
@@ -191,7 +205,7 @@ mod tests {
         for p in ALL {
             executable(full.path(), p.name);
         }
-        for name in ["blkid", "losetup", "mkfs.ext4"] {
+        for name in ["blkid", "losetup", "mkfs.ext4", "resize2fs", "xfs_growfs"] {
             executable(partial.path(), name);
         }
         // Not executable: execvp skips it, so must we.
@@ -236,6 +250,8 @@ mod tests {
                     "losetup:util-linux",
                     "mkfs.ext4:e2fsprogs",
                     "mkfs.xfs:xfsprogs",
+                    "resize2fs:e2fsprogs",
+                    "xfs_growfs:xfsprogs",
                 ],
             ),
         ] {
@@ -247,7 +263,7 @@ mod tests {
     fn check_holds_readiness() {
         let readiness = controllers::Readiness::default();
         let bin = tempfile::tempdir().expect("tempdir");
-        for name in ["blkid", "losetup", "mkfs.ext4"] {
+        for name in ["blkid", "losetup", "mkfs.ext4", "resize2fs", "xfs_growfs"] {
             executable(bin.path(), name);
         }
         let missing = check_in(DeviceMode::Emulated, bin.path().as_os_str(), &readiness);

@@ -23,6 +23,8 @@ pub struct Recorded {
     /// Whether the backend adopts a volume without device (the fake backend's memory, gone
     /// with the process).
     pub adoptable: bool,
+    /// The size before a growth the state records as unfinished.
+    pub growing_from: Option<u64>,
 }
 
 /// What to do.
@@ -32,6 +34,9 @@ pub struct RepairPlan {
     pub keep: Vec<String>,
     /// Volumes whose interrupted allocation is finished, then indexed.
     pub complete: Vec<String>,
+    /// Volumes whose interrupted growth is finished (or, when the backend refuses, undone:
+    /// the device still has its old size then), then indexed.
+    pub finish_growth: Vec<String>,
     /// States to remove: their create or delete was interrupted before the device existed or
     /// after it was gone.
     pub forget: Vec<String>,
@@ -86,6 +91,11 @@ pub fn plan(
     let mut missing = Vec::new();
     for volume in recorded {
         let pending = pending.contains(&volume.id);
+        let present = volume.device.is_some() || volume.adoptable;
+        if present && volume.growing_from.is_some() {
+            plan.finish_growth.push(volume.id.clone());
+            continue;
+        }
         match volume.device {
             // Direct-mode namespaces may hold a little more than asked for (or, made by
             // PMEM-CSI 1.0, less).
@@ -158,6 +168,7 @@ mod tests {
             size,
             device,
             adoptable: false,
+            growing_from: None,
         }
     }
 
@@ -320,6 +331,43 @@ mod tests {
                 false,
                 true,
                 Err(Refusal::NoPools { recorded: 1 }),
+            ),
+            (
+                "an interrupted growth is finished, whatever the device's size",
+                vec![
+                    Recorded {
+                        growing_from: Some(4),
+                        ..rec("a", 8, Some(4))
+                    },
+                    Recorded {
+                        growing_from: Some(4),
+                        ..rec("b", 8, Some(8))
+                    },
+                    rec("c", 8, Some(8)),
+                ],
+                &[],
+                &[],
+                &["a", "b", "c"],
+                true,
+                false,
+                Ok(RepairPlan {
+                    keep: ids(&["c"]),
+                    finish_growth: ids(&["a", "b"]),
+                    ..Default::default()
+                }),
+            ),
+            (
+                "a growing volume without device is missing, not forgotten",
+                vec![Recorded {
+                    growing_from: Some(4),
+                    ..rec("a", 8, None)
+                }],
+                &[],
+                &[],
+                &[],
+                true,
+                true,
+                Err(Refusal::MissingDevices { ids: ids(&["a"]) }),
             ),
             (
                 "fake backend adopts volumes without device",

@@ -30,6 +30,15 @@ pub struct VolumeState {
     /// Parameters as a volume context (includes `name` and `deviceMode`).
     #[serde(default)]
     pub parameters: BTreeMap<String, String>,
+    /// The size before a growth to `size` that has not finished: written before the device
+    /// grows and dropped after, so start-up can finish or undo it. Absent otherwise, so the
+    /// file stays PMEM-CSI 1.0's (whose decoder ignores the field while it is present).
+    #[serde(
+        default,
+        rename = "growingFrom",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub growing_from: Option<i64>,
 }
 
 /// State I/O failures.
@@ -232,6 +241,7 @@ mod tests {
             id: id.into(),
             size: 4 << 20,
             parameters: BTreeMap::from([("name".into(), "pvc-1".into())]),
+            growing_from: None,
         }
     }
 
@@ -289,6 +299,18 @@ mod tests {
         assert!(
             text.starts_with(r#"{"id":"pvc-01-abc","size":4194304,"parameters":{"#),
             "{text}"
+        );
+        assert!(!text.contains("growingFrom"), "{text}");
+        let growing = VolumeState {
+            growing_from: Some(4194304),
+            size: 8388608,
+            ..v
+        };
+        let text = serde_json::to_string(&growing).expect("serialize");
+        assert!(text.ends_with(r#","growingFrom":4194304}"#), "{text}");
+        assert_eq!(
+            serde_json::from_str::<VolumeState>(&text).expect("parse"),
+            growing
         );
     }
 }

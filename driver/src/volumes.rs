@@ -64,6 +64,43 @@ pub fn new_volume_size(
     Ok(aligned)
 }
 
+/// The size a volume of `current` bytes has after NodeExpandVolume asks for `required` bytes
+/// (0 = not given) within a non-zero `limit`: `required` rounded up to `alignment`, never less
+/// than `current` (a volume does not shrink, and a repeated call changes nothing).
+pub fn grown_size(
+    required: u64,
+    limit: u64,
+    current: u64,
+    alignment: u64,
+) -> Result<u64, VolumeError> {
+    if limit > 0 && required > limit {
+        return Err(VolumeError::OutOfRange(format!(
+            "required_bytes {required} exceeds limit_bytes {limit}"
+        )));
+    }
+    let aligned = align_up(required, alignment).ok_or_else(|| {
+        VolumeError::OutOfRange(format!(
+            "required_bytes {required} cannot be rounded up to the alignment of {alignment} bytes"
+        ))
+    })?;
+    let size = aligned.max(current);
+    if i64::try_from(size).is_err() {
+        return Err(VolumeError::OutOfRange(format!(
+            "required_bytes {required} is more than a volume can hold"
+        )));
+    }
+    if limit > 0 && size > limit {
+        return Err(VolumeError::OutOfRange(if current > limit {
+            format!("the volume already holds {current} bytes, above limit_bytes {limit}")
+        } else {
+            format!(
+                "required_bytes {required} rounded up to the alignment of {alignment} bytes is {aligned}, above limit_bytes {limit}"
+            )
+        }));
+    }
+    Ok(size)
+}
+
 /// Whether an existing volume satisfies a repeated CreateVolume: size within the range and the
 /// same parameters; otherwise `AlreadyExists` saying what differs.
 pub fn judge_existing(existing: &VolumeState, request: &CreateRequest) -> Result<(), VolumeError> {
@@ -291,6 +328,7 @@ impl Volumes {
                 size,
                 device,
                 adoptable,
+                growing_from: volume.growing_from.and_then(|s| u64::try_from(s).ok()),
             });
             index.insert(volume.id.clone(), volume);
         }
@@ -324,6 +362,35 @@ impl Volumes {
             self.backend
                 .create(id, size, usage)
                 .map_err(|e| VolumeError::backend(id, e))?;
+        }
+        for id in &plan.finish_growth {
+            let volume = &index[id];
+            let size = u64::try_from(volume.size).unwrap_or(0);
+            let settled = match self.backend.grow(id, size) {
+                Ok(()) => {
+                    tracing::info!(id, size, "repair: finished an interrupted growth");
+                    VolumeState {
+                        growing_from: None,
+                        ..volume.clone()
+                    }
+                }
+                Err(e) => {
+                    let old = volume.growing_from.unwrap_or(volume.size);
+                    tracing::warn!(
+                        id,
+                        size,
+                        old,
+                        "repair: an interrupted growth cannot finish ({e}); the volume keeps its old size, and the next NodeExpandVolume says why"
+                    );
+                    VolumeState {
+                        size: old,
+                        growing_from: None,
+                        ..volume.clone()
+                    }
+                }
+            };
+            self.state.write(&settled)?;
+            index.insert(id.clone(), settled);
         }
         for id in &plan.forget {
             tracing::info!(
@@ -487,6 +554,7 @@ impl Volumes {
                 ))
             })?,
             parameters: parameters.to_context(),
+            growing_from: None,
         };
         blocking(|| {
             // Fail fast without touching the state directory when it cannot fit.
@@ -521,6 +589,64 @@ impl Volumes {
         self.changed();
         tracing::info!(id, name = request.name, size, "volume created");
         Ok(volume)
+    }
+
+    /// NodeExpandVolume's growth, for a caller that holds the volume's lock: the device grows
+    /// to [`grown_size`]. The state records the new size with the old one before the device
+    /// grows (start-up finishes or undoes a growth a crash cut short), and the old size alone
+    /// again when the backend refuses, which then has changed nothing.
+    pub fn expand_locked(
+        &self,
+        id: &str,
+        required: u64,
+        limit: u64,
+    ) -> Result<VolumeState, VolumeError> {
+        let volume = self
+            .get(id)
+            .ok_or_else(|| VolumeError::Unknown { id: id.into() })?;
+        let backend = self.backend_of(id)?;
+        let current = u64::try_from(volume.size).unwrap_or(0);
+        let size = grown_size(required, limit, current, backend.alignment())?;
+        if size == current {
+            return Ok(volume);
+        }
+        if let Some(reason) = backend.growth_refused() {
+            return Err(VolumeError::Backend(BackendError::CannotGrow {
+                mode: backend.mode().as_str(),
+                reason,
+            }));
+        }
+        let settled = VolumeState {
+            size: i64::try_from(size).unwrap_or(i64::MAX),
+            ..volume.clone()
+        };
+        let growing = VolumeState {
+            growing_from: Some(volume.size),
+            ..settled.clone()
+        };
+        blocking(|| {
+            self.state.write(&growing)?;
+            crate::faults::point("after-growth-state-write");
+            if let Err(e) = backend.grow(id, size) {
+                if let Err(undo) = self.state.write(&volume) {
+                    tracing::error!(id, "restoring the state after a failed growth: {undo}");
+                }
+                // No room is OUT_OF_RANGE, which kubelet takes as final (the user may ask
+                // for less) instead of retrying for ever.
+                return Err(match e {
+                    BackendError::NoSpace { .. } => VolumeError::OutOfRange(format!(
+                        "volume {id} cannot grow from {current} to {size} bytes on this node: {e}"
+                    )),
+                    e => VolumeError::backend(id, e),
+                });
+            }
+            crate::faults::point("after-growth");
+            self.state.write(&settled).map_err(VolumeError::from)
+        })?;
+        self.index().insert(id.to_string(), settled.clone());
+        self.changed();
+        tracing::info!(id, from = current, to = size, "volume grown");
+        Ok(settled)
     }
 
     /// DeleteVolume: an unknown ID succeeds. The device is removed (scrubbed per `eraseafter`)
@@ -664,6 +790,7 @@ mod tests {
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
+            growing_from: None,
         }
     }
 
@@ -774,6 +901,119 @@ mod tests {
         );
         reopened.delete(&first.id).await.expect("delete unknown");
         assert!(reopened.list().is_empty());
+    }
+
+    #[test]
+    fn grown_size_table() {
+        for (case, required, limit, current, want) in [
+            ("grows to the aligned size", A + 1, 0, A, Ok(2 * A)),
+            ("exactly aligned", 3 * A, 0, A, Ok(3 * A)),
+            ("never shrinks", A, 0, 2 * A, Ok(2 * A)),
+            ("no size asked: as is", 0, 0, 2 * A, Ok(2 * A)),
+            ("within the limit", A + 1, 2 * A, A, Ok(2 * A)),
+            (
+                "required above limit",
+                3 * A,
+                2 * A,
+                A,
+                Err("exceeds limit_bytes"),
+            ),
+            (
+                "aligned above limit",
+                A + 1,
+                A + 2,
+                A,
+                Err("above limit_bytes"),
+            ),
+            ("already above limit", A, A, 2 * A, Err("already holds")),
+            ("overflow", u64::MAX, 0, A, Err("cannot be rounded up")),
+            (
+                "above i64",
+                u64::MAX / 2 + A,
+                0,
+                A,
+                Err("more than a volume can hold"),
+            ),
+        ] {
+            match (grown_size(required, limit, current, A), want) {
+                (Ok(got), Ok(want)) => assert_eq!(got, want, "{case}"),
+                (Err(e), Err(want)) => {
+                    assert!(matches!(e, VolumeError::OutOfRange(_)), "{case}: {e}");
+                    assert!(e.to_string().contains(want), "{case}: {e}");
+                }
+                (got, want) => panic!("{case}: got {got:?}, want {want:?}"),
+            }
+        }
+    }
+
+    fn stored(dir: &std::path::Path, id: &str) -> serde_json::Value {
+        let text = std::fs::read(dir.join(format!("{id}.json"))).expect("state file");
+        serde_json::from_slice(&text).expect("JSON")
+    }
+
+    #[tokio::test]
+    async fn growth_is_recorded_and_bounded() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let v = volumes(dir.path(), 16 * MI);
+        let created = v.create(request(4 * MI, 0, Parameters::default())).await;
+        let id = created.expect("create").id;
+        let other = v.create(CreateRequest {
+            name: "w".into(),
+            ..request(4 * MI, 0, Parameters::default())
+        });
+        other.await.expect("second volume");
+        let mut changes = v.changes();
+        changes.mark_unchanged();
+
+        let grown = v.expand_locked(&id, 8 * MI, 0).expect("grows");
+        assert_eq!((grown.size, grown.growing_from), (8 * MI as i64, None));
+        assert!(
+            changes.has_changed().expect("open"),
+            "a growth is announced"
+        );
+        assert_eq!(stored(dir.path(), &id)["size"], serde_json::json!(8 * MI));
+        assert_eq!(stored(dir.path(), &id).get("growingFrom"), None);
+        assert_eq!(v.capacity().expect("capacity").available(), 4 * MI);
+        assert_eq!(v.expand_locked(&id, 8 * MI, 0).expect("again"), grown);
+
+        let err = v.expand_locked(&id, 16 * MI, 0).expect_err("no room");
+        assert!(matches!(err, VolumeError::OutOfRange(_)), "{err}");
+        assert!(err.to_string().contains("4194304 bytes free"), "{err}");
+        assert!(
+            err.to_string().contains("from 8388608 to 16777216 bytes"),
+            "{err}"
+        );
+        assert_eq!(stored(dir.path(), &id)["size"], serde_json::json!(8 * MI));
+        assert_eq!(stored(dir.path(), &id).get("growingFrom"), None);
+        assert_eq!(v.get(&id), Some(grown));
+
+        let err = v.expand_locked("nope", MI, 0).expect_err("unknown");
+        assert!(matches!(err, VolumeError::Unknown { .. }), "{err}");
+    }
+
+    #[tokio::test]
+    async fn start_up_settles_an_interrupted_growth() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let v = volumes(dir.path(), 16 * MI);
+        let created = v.create(request(4 * MI, 0, Parameters::default())).await;
+        let volume = created.expect("create");
+        drop(v);
+        let growing = VolumeState {
+            size: 8 * MI as i64,
+            growing_from: Some(volume.size),
+            ..volume.clone()
+        };
+        StateStore::open(dir.path())
+            .expect("state")
+            .write(&growing)
+            .expect("write");
+        let reopened = volumes(dir.path(), 16 * MI);
+        let settled = VolumeState {
+            growing_from: None,
+            ..growing
+        };
+        assert_eq!(reopened.get(&volume.id), Some(settled));
+        assert_eq!(stored(dir.path(), &volume.id).get("growingFrom"), None);
     }
 
     /// Locks of deleted and made-up IDs are forgotten; a lock someone waits for is not.

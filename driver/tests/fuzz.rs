@@ -340,6 +340,7 @@ fn state_files() {
                 ("deviceMode".into(), "fake".into()),
                 ("eraseafter".into(), "true".into()),
             ]),
+            growing_from: None,
         })
         .unwrap_or_default(),
     );

@@ -210,6 +210,40 @@ impl Harness {
             .expect("unpublish");
     }
 
+    /// NodeExpandVolume of the volume available at `path` to `required` bytes; the size it
+    /// reports.
+    pub async fn expand(
+        &mut self,
+        id: &str,
+        path: &Path,
+        required: i64,
+    ) -> Result<i64, tonic::Status> {
+        let staging = self.path("staging");
+        self.node
+            .node_expand_volume(NodeExpandVolumeRequest {
+                volume_id: id.into(),
+                volume_path: path.display().to_string(),
+                capacity_range: Some(CapacityRange {
+                    required_bytes: required,
+                    limit_bytes: 0,
+                }),
+                staging_target_path: staging.display().to_string(),
+                ..Default::default()
+            })
+            .await
+            .map(|r| r.into_inner().capacity_bytes)
+    }
+
+    /// GetCapacity's available bytes; panics on failure.
+    pub async fn available(&mut self) -> i64 {
+        self.controller
+            .get_capacity(GetCapacityRequest::default())
+            .await
+            .expect("capacity")
+            .into_inner()
+            .available_capacity
+    }
+
     /// DeleteVolume; panics on failure.
     pub async fn delete(&mut self, id: &str) {
         self.controller
