@@ -95,6 +95,19 @@ struct Allocation {
     node: String,
     size: u64,
     seq: u64,
+    /// Whether the size is a PV's (or a bound claim's asking for more than its PV holds),
+    /// not an unbound claim's or an inline volume's.
+    bound: bool,
+    /// The last growth of a bound volume on its node, which the node's published capacity
+    /// reflects only once the node has grown the volume and published again.
+    growth: Option<Growth>,
+}
+
+/// A volume's growth: its size before, and the event that made it bigger.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Growth {
+    from: u64,
+    seq: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -566,8 +579,18 @@ impl CapacityIndex {
             let size =
                 volume_cost(allocation.size, alignment, overhead.as_ref()).unwrap_or(u64::MAX);
             allocated = allocated.saturating_add(size);
-            if record.is_none_or(|r| allocation.seq > r.seq) {
-                unreflected.push(size);
+            match record {
+                // Published with its old size: a growth since is not in the pools yet.
+                Some(r) if allocation.seq <= r.seq => {
+                    if let Some(growth) = allocation.growth
+                        && growth.seq > r.seq
+                    {
+                        let before = volume_cost(growth.from, alignment, overhead.as_ref())
+                            .unwrap_or(u64::MAX);
+                        unreflected.push(size.saturating_sub(before));
+                    }
+                }
+                _ => unreflected.push(size),
             }
         }
         // Event order alone can call a volume unreflected that the node did publish (its PV seen
@@ -672,30 +695,45 @@ impl CapacityIndex {
 
     /// Recomputes the allocation of `key` from its sources.
     fn derive(&mut self, key: &VolumeKey) {
-        let wanted = match key {
+        let (wanted, bound) = match key {
             VolumeKey::Claim(claim) => match self.filed_volume(key) {
-                Some(volume) => Some(volume),
+                // A bound claim asking for more than its PV holds is being expanded: the room
+                // the growth needs counts from the moment the claim asks (the resizer raises
+                // the PV's size next, and the node grows the volume later still).
+                Some((node, size)) => {
+                    let asked = self.claims.get(claim).and_then(|c| c.request);
+                    (Some((node, size.max(asked.unwrap_or(0)))), true)
+                }
                 // Bound claims count too while their PV is unseen: the binder's update of the
                 // claim arrives on another watch than the PV's creation and can overtake it,
                 // and a claim counting nowhere in between let a /filter over-commit the node.
-                None => self
-                    .claims
-                    .get(claim)
-                    .filter(|c| self.is_late_binding_ours(c))
-                    .and_then(|c| {
-                        let node = c.selected_node.clone()?;
-                        Some((node, c.request.unwrap_or(self.default_size)))
-                    }),
+                None => (
+                    self.claims
+                        .get(claim)
+                        .filter(|c| self.is_late_binding_ours(c))
+                        .and_then(|c| {
+                            let node = c.selected_node.clone()?;
+                            Some((node, c.request.unwrap_or(self.default_size)))
+                        }),
+                    false,
+                ),
             },
-            VolumeKey::Volume(_) => self.filed_volume(key),
-            VolumeKey::Inline { pod_uid, volume } => self.pods.get(pod_uid).and_then(|p| {
-                let node = p.node.clone().filter(|_| !p.terminated)?;
-                let (_, size) = p.inline.iter().find(|(v, _)| v == volume)?;
-                Some((node, *size))
-            }),
+            VolumeKey::Volume(_) => (self.filed_volume(key), true),
+            VolumeKey::Inline { pod_uid, volume } => (
+                self.pods.get(pod_uid).and_then(|p| {
+                    let node = p.node.clone().filter(|_| !p.terminated)?;
+                    let (_, size) = p.inline.iter().find(|(v, _)| v == volume)?;
+                    Some((node, *size))
+                }),
+                false,
+            ),
         };
         let current = self.allocations.get(key).map(|a| (a.node.clone(), a.size));
         if current == wanted {
+            // A claim's PV appearing with the claim's size: the same allocation, now a PV's.
+            if let Some(allocation) = self.allocations.get_mut(key) {
+                allocation.bound = bound;
+            }
             return;
         }
         // A volume that stays on its node (a claim whose PV appears, with the size the node
@@ -705,6 +743,32 @@ impl CapacityIndex {
             (Some(old), Some((node, _))) if old.node == *node => old.seq,
             _ => self.seq,
         };
+        let growth = match (self.allocations.get(key), &wanted) {
+            (Some(old), Some((node, size))) if old.node == *node && old.bound && bound => {
+                // The base is the size the node last published with: the old size, or the
+                // base of an earlier growth it has not published yet.
+                let published_at = self
+                    .nodes
+                    .get(node)
+                    .and_then(|e| e.capacity.as_ref())
+                    .map_or(0, |r| r.seq);
+                let pending = old.growth.filter(|g| g.seq > published_at);
+                let from = pending.map_or(old.size, |g| g.from.min(old.size));
+                if *size > from {
+                    Some(Growth {
+                        from,
+                        seq: if *size > old.size {
+                            self.seq
+                        } else {
+                            pending.map_or(self.seq, |g| g.seq)
+                        },
+                    })
+                } else {
+                    None
+                }
+            }
+            _ => None,
+        };
         if let Some(old) = self.allocations.remove(key)
             && let Some(entry) = self.nodes.get_mut(&old.node)
         {
@@ -712,8 +776,16 @@ impl CapacityIndex {
         }
         if let Some((node, size)) = wanted {
             self.entry(&node).volumes.insert(key.clone());
-            self.allocations
-                .insert(key.clone(), Allocation { node, size, seq });
+            self.allocations.insert(
+                key.clone(),
+                Allocation {
+                    node,
+                    size,
+                    seq,
+                    bound,
+                    growth,
+                },
+            );
         }
     }
 }
@@ -941,6 +1013,53 @@ mod tests {
         index.apply_capacity(&capacity("cap-n2", "n2", "10Gi", None));
         index.apply_volume(&volume("pv-a", "n2", "1028Mi", Some("a")));
         assert_eq!(index.usage("n2", &[]).unreflected, vec![1028 << 20]);
+    }
+
+    #[test]
+    fn a_growing_volume_counts_its_new_size_until_the_node_publishes_it() {
+        let mut index = index();
+        index.apply_claim(&sized_claim("a", "late", "1Gi", Some("n1"), Some("pv-a")));
+        index.apply_volume(&volume("pv-a", "n1", "1Gi", Some("a")));
+        index.apply_capacity(&managed_capacity(
+            "cap-n1",
+            "n1",
+            "9Gi",
+            None,
+            Some(10 * GI),
+        ));
+        let usage = index.usage("n1", &[]);
+        assert_eq!((usage.allocated, usage.unreflected.len()), (GI, 0));
+        // The user asks for 3 GiB: counted at once, the 2 GiB more not in the pools yet.
+        index.apply_claim(&sized_claim("a", "late", "3Gi", Some("n1"), Some("pv-a")));
+        let usage = index.usage("n1", &[]);
+        assert_eq!(usage.allocated, 3 * GI);
+        assert_eq!(usage.unreflected, vec![2 * GI]);
+        // The resizer raises the PV: still the same growth.
+        index.apply_volume(&volume("pv-a", "n1", "3Gi", Some("a")));
+        let usage = index.usage("n1", &[]);
+        assert_eq!(usage.allocated, 3 * GI);
+        assert_eq!(usage.unreflected, vec![2 * GI]);
+        // The node grows the volume and publishes: nothing is missing from its pools.
+        index.apply_capacity(&managed_capacity(
+            "cap-n1",
+            "n1",
+            "7Gi",
+            None,
+            Some(10 * GI),
+        ));
+        let usage = index.usage("n1", &[]);
+        assert_eq!((usage.allocated, usage.unreflected.len()), (3 * GI, 0));
+        // A claim's PV arriving with its aligned size is not a growth.
+        index.apply_claim(&sized_claim("b", "late", "1Gi", Some("n1"), None));
+        index.apply_capacity(&managed_capacity(
+            "cap-n1",
+            "n1",
+            "6Gi",
+            None,
+            Some(10 * GI),
+        ));
+        index.apply_volume(&volume("pv-b", "n1", "1028Mi", Some("b")));
+        assert!(index.usage("n1", &[]).unreflected.is_empty());
     }
 
     #[test]
