@@ -2,6 +2,8 @@
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto/csi.proto");
+    // The generator's settings live here: a change to them must regenerate too.
+    println!("cargo:rerun-if-changed=build.rs");
     let fds = protox::compile(["csi.proto"], ["proto"])?;
     tonic_prost_build::configure()
         .build_client(true)

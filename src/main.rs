@@ -50,6 +50,8 @@ struct ControllerCommand {
     controller: controllers::ControllerArgs,
     #[command(flatten)]
     webhook: webhooks::webhook::WebhookOptions,
+    #[command(flatten)]
+    resizer: driver::resizer_endpoint::ResizerArgs,
 }
 
 /// One-shot actions of `pmem-csi controller`.
@@ -151,6 +153,16 @@ async fn main() -> anyhow::Result<()> {
         if let Some(webhook) = webhook {
             webhooks::controller_concerns::add(&mut process, webhook, &mut registry, &readiness)
                 .await?;
+        }
+        if let Some(socket) = &c.resizer.resizer_endpoint {
+            let endpoint = driver::resizer_endpoint::ResizerEndpoint::bind(
+                socket,
+                process.config().driver_name(),
+            )?;
+            process.add_concern(controllers::concern::Concern::everywhere_fallible(
+                "resizer-endpoint",
+                move |token| endpoint.serve(token),
+            ));
         }
         work.spawn(
             process

@@ -7,6 +7,7 @@ use std::io::{Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use driver::csi::*;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use testenv::csi_client::{Harness, block, mount};
 use tonic::Code;
 
@@ -364,4 +365,122 @@ async fn answers_what_external_resizer_asks_and_nothing_else() {
     shutdown.cancel();
     served.await.expect("join").expect("served");
     assert!(!socket.exists(), "the socket is removed at shutdown");
+}
+
+/// The real csi-resizer beside `pmem-csi controller --resizer-endpoint`, against a real API
+/// server and the PV binder: a bound claim of the driver that asks for more gets its PV raised
+/// and "FileSystemResizePending", so that kubelet grows it on its node; the claim's capacity
+/// stays until then, and no CSI call reaches a node.
+#[tokio::test]
+async fn the_central_resizer_leaves_growth_to_the_node() {
+    use controllers::test_objects::{bound_to, claim, csi_volume, storage_class};
+    use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+    use k8s_openapi::api::storage::v1::StorageClass;
+    use kube::api::{Api, Patch, PatchParams, PostParams};
+    use std::time::Duration;
+
+    const DRIVER: &str = "pmem-csi.intel.com";
+    let env = testenv::TestEnv::builder()
+        .controller_without_webhook(Vec::<String>::new())
+        .with_resizer()
+        .start()
+        .await
+        .expect("testenv");
+    let client = env.client().await.expect("client");
+    let mut class = storage_class("grow", DRIVER, "WaitForFirstConsumer");
+    class.allow_volume_expansion = Some(true);
+    Api::<StorageClass>::all(client.clone())
+        .create(&PostParams::default(), &class)
+        .await
+        .expect("class");
+    let mut pv = csi_volume("pv-grow", DRIVER, "pvc-grow-0123", Some("node-1"));
+    if let Some(spec) = pv.spec.as_mut() {
+        spec.capacity = Some([("storage".to_string(), Quantity("1Gi".into()))].into());
+        spec.storage_class_name = Some("grow".into());
+        // Retain: deleting the test's objects must not call a provisioner.
+        spec.persistent_volume_reclaim_policy = Some("Retain".into());
+        spec.claim_ref = Some(k8s_openapi::api::core::v1::ObjectReference {
+            namespace: Some("default".into()),
+            name: Some("grow".into()),
+            ..Default::default()
+        });
+    }
+    let pvs = Api::<PersistentVolume>::all(client.clone());
+    pvs.create(&PostParams::default(), &pv).await.expect("pv");
+    let claims = Api::<PersistentVolumeClaim>::namespaced(client.clone(), "default");
+    claims
+        .create(
+            &PostParams::default(),
+            &bound_to(claim("default", "grow", "grow", "1Gi"), "pv-grow"),
+        )
+        .await
+        .expect("claim");
+    testenv::wait::until(
+        "the binder to bind the claim",
+        Duration::from_secs(60),
+        || {
+            let claims = claims.clone();
+            async move {
+                let phase = claims.get("grow").await.map_err(|e| e.to_string())?;
+                match phase.status.and_then(|s| s.phase).as_deref() {
+                    Some("Bound") => Ok(()),
+                    other => Err(format!("phase {other:?}")),
+                }
+            }
+        },
+    )
+    .await
+    .expect("bound");
+
+    claims
+        .patch(
+            "grow",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({
+                "spec": {"resources": {"requests": {"storage": "3Gi"}}}
+            })),
+        )
+        .await
+        .expect("grow the claim");
+    let claim = testenv::wait::until(
+        "csi-resizer to leave the growth to the node",
+        Duration::from_secs(60),
+        || {
+            let (claims, pvs) = (claims.clone(), pvs.clone());
+            async move {
+                let pv = pvs.get("pv-grow").await.map_err(|e| e.to_string())?;
+                let capacity = pv
+                    .spec
+                    .and_then(|s| s.capacity)
+                    .and_then(|c| c.get("storage").cloned());
+                if capacity != Some(Quantity("3Gi".into())) {
+                    return Err(format!("PV capacity {capacity:?}"));
+                }
+                let claim = claims.get("grow").await.map_err(|e| e.to_string())?;
+                let pending = claim
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.conditions.as_ref())
+                    .is_some_and(|c| c.iter().any(|c| c.type_ == "FileSystemResizePending"));
+                if pending {
+                    Ok(claim)
+                } else {
+                    Err(format!("claim status {:?}", claim.status))
+                }
+            }
+        },
+    )
+    .await
+    .expect("the PV raised and the claim waiting for its node");
+    let status = claim.status.expect("status");
+    assert_eq!(
+        status.capacity.and_then(|c| c.get("storage").cloned()),
+        Some(Quantity("1Gi".into())),
+        "the claim's capacity changes only when the node has grown the volume"
+    );
+    let log = std::fs::read_to_string(env.dir().join("logs/csi-resizer.log")).expect("log");
+    assert!(
+        log.contains("trivial resizer") || log.contains("trivial"),
+        "csi-resizer took its node-only path:\n{log}"
+    );
 }

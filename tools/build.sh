@@ -18,13 +18,15 @@ PROVISIONER_VERSION=v6.3.0
 # through MVS could break its build, so it gets its own module with its own staging pins.
 PROVISIONER_K8S_VERSION=v1.36.1
 PROVISIONER_STAGING_VERSION=v0.36.1
+# external-resizer (csi-resizer) beside the controller: node-only expansion (docs/node-driver.md).
+RESIZER_VERSION=v2.3.0
 # csi-test v5.5.0 (the recipe's first choice) is not served by the proxy; v5.4.0 is what
 # external-provisioner v6.3.0 itself pins.
 CSI_TEST_VERSION=v5.4.0
 
 here=$(cd "$(dirname "$0")" && pwd)
 cache_root=${XDG_CACHE_HOME:-$HOME/.cache}/pmem-csi/tools
-pin="k8s-$K8S_VERSION.etcd-$ETCD_VERSION.prov-$PROVISIONER_VERSION.sanity-$CSI_TEST_VERSION"
+pin="k8s-$K8S_VERSION.etcd-$ETCD_VERSION.prov-$PROVISIONER_VERSION.resizer-$RESIZER_VERSION.sanity-$CSI_TEST_VERSION"
 dir=$cache_root/$pin
 bin=$dir/bin
 
@@ -127,6 +129,18 @@ build_provisioner() {
   )
 }
 
+build_resizer() {
+  local m; m=$(module_dir resizer "github.com/kubernetes-csi/external-resizer/v2 $RESIZER_VERSION")
+  (
+    cd "$m"
+    [[ -f go.mod ]] || go mod init pmem-csi-tools.invalid/resizer >/dev/null 2>&1
+    local p=github.com/kubernetes-csi/external-resizer/v2/cmd/csi-resizer
+    go get "$p@$RESIZER_VERSION"
+    timed csi-resizer go build -p 2 -trimpath -ldflags "-s -w -X main.version=$RESIZER_VERSION" -o "$bin/csi-resizer.tmp" "$p"
+    mv "$bin/csi-resizer.tmp" "$bin/csi-resizer"
+  )
+}
+
 build_sanity() {
   local m; m=$(module_dir csi-sanity "github.com/kubernetes-csi/csi-test/v5 $CSI_TEST_VERSION")
   (
@@ -141,7 +155,7 @@ build_sanity() {
 
 k8s_cmds=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
 if $with_kubelet; then k8s_cmds+=(kubelet kube-proxy); fi
-want=(etcd "${k8s_cmds[@]}" csi-provisioner csi-sanity)
+want=(etcd "${k8s_cmds[@]}" csi-provisioner csi-resizer csi-sanity)
 missing=()
 for t in "${want[@]}"; do [[ -x $bin/$t ]] || missing+=("$t"); done
 if [[ ${#missing[@]} -eq 0 ]]; then
@@ -158,5 +172,6 @@ for c in "${k8s_cmds[@]}"; do
   fi
 done
 [[ -x $bin/csi-provisioner ]] || timed "csi-provisioner (download + build)" build_provisioner
+[[ -x $bin/csi-resizer ]] || timed "csi-resizer (download + build)" build_resizer
 [[ -x $bin/csi-sanity ]] || timed "csi-sanity (download + build)" build_sanity
 echo "tools built into $bin in $((SECONDS - total_start))s" >&2

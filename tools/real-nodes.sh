@@ -689,9 +689,11 @@ TARGET=${CARGO_TARGET_DIR:-$REPO/target}
 IMAGES_DIR=$TOP/images
 PMEM_ARCHIVE=$TARGET/pmem-csi.oci.tar
 PROVISIONER_IMAGE=localhost/csi-provisioner:v6.3.0
+RESIZER_IMAGE=localhost/csi-resizer:v2.3.0
 REGISTRAR_IMAGE=localhost/csi-node-driver-registrar:pmem-csi-test
 BUSYBOX_IMAGE=localhost/busybox:pmem-csi-e2e
-DEPLOY_ARCHIVES=("$PMEM_ARCHIVE" "$IMAGES_DIR/csi-provisioner.oci.tar" "$IMAGES_DIR/registrar.oci.tar")
+DEPLOY_ARCHIVES=("$PMEM_ARCHIVE" "$IMAGES_DIR/csi-provisioner.oci.tar" "$IMAGES_DIR/csi-resizer.oci.tar"
+  "$IMAGES_DIR/registrar.oci.tar")
 # The node standing in for "the control-plane node": the extender DaemonSet runs there.
 EXTENDER_NODE="node-1"
 EXTENDER_PORT=10013
@@ -710,6 +712,11 @@ images() {
   install -m 0755 "$K8S_BIN/csi-provisioner" "$work/prov/csi-provisioner"
   oci_archive "$work/prov" "$PROVISIONER_IMAGE" '{"Entrypoint":["/csi-provisioner"]}' \
     "$IMAGES_DIR/csi-provisioner.oci.tar"
+  # csi-resizer: static as well.
+  mkdir -p "$work/resizer/tmp"; chmod 1777 "$work/resizer/tmp"
+  install -m 0755 "$K8S_BIN/csi-resizer" "$work/resizer/csi-resizer"
+  oci_archive "$work/resizer" "$RESIZER_IMAGE" '{"Entrypoint":["/csi-resizer"]}' \
+    "$IMAGES_DIR/csi-resizer.oci.tar"
   # The registrar (testenv/src/registrar.rs; node-driver-registrar is not served by the Go module
   # proxy): the debug build, stripped, with the libraries and loader ldd resolves.
   local reg=$TARGET/debug/registrar
@@ -720,7 +727,7 @@ images() {
   oci_archive "$work/reg" "$REGISTRAR_IMAGE" '{"Entrypoint":["/registrar"]}' \
     "$IMAGES_DIR/registrar.oci.tar"
   rm -rf "$work"
-  log "images: $PROVISIONER_IMAGE, $REGISTRAR_IMAGE in $IMAGES_DIR"
+  log "images: $PROVISIONER_IMAGE, $RESIZER_IMAGE, $REGISTRAR_IMAGE in $IMAGES_DIR"
 }
 
 # The extender listens on 127.0.0.1:10013 of its node (hostNetwork; it refuses any other
@@ -777,6 +784,7 @@ deploy() {
   KUBECTL=$KUBECTL bash "$here/cluster-e2e.sh" deploy "$S/deploy" \
     ghcr.io/pmem-csi/pmem-csi=localhost/pmem-csi:dev \
     "registry.k8s.io/sig-storage/csi-provisioner=$PROVISIONER_IMAGE" \
+    "registry.k8s.io/sig-storage/csi-resizer=$RESIZER_IMAGE" \
     "registry.k8s.io/sig-storage/csi-node-driver-registrar=$REGISTRAR_IMAGE" ||
     die "deploying pmem-csi"
   log "pmem-csi: all rollouts done $((SECONDS - t))s after apply ($((SECONDS - t0))s with imports)"
@@ -818,6 +826,105 @@ capacity_of() { $KUBECTL -n pmem-csi get csistoragecapacities -o name | grep -q 
 # the Lease policy (manifests/base/node-lease-policy.yaml) requires to name this node.
 heartbeat_of() {
   [[ $($KUBECTL -n pmem-csi get lease "pmem-csi-intel-com-node-$1" -o jsonpath='{.spec.holderIdentity}' 2>/dev/null) == "$1" ]]
+}
+
+# A Kubernetes quantity in bytes (plain, or with a decimal or binary suffix).
+bytes_of() { # <quantity>
+  awk -v q="$1" 'BEGIN {
+    n = q; sub(/[A-Za-z]+$/, "", n); u = substr(q, length(n) + 1)
+    f["k"] = 1e3; f["M"] = 1e6; f["G"] = 1e9; f["T"] = 1e12
+    f["Ki"] = 2^10; f["Mi"] = 2^20; f["Gi"] = 2^30; f["Ti"] = 2^40
+    printf "%d\n", n * (u == "" ? 1 : f[u])
+  }'
+}
+# The bytes node <node> publishes as free for class <class>.
+published_free() { # <node> <class>
+  local q
+  q=$($KUBECTL -n pmem-csi get csistoragecapacity "pmem-csi-$1-$2" -o jsonpath='{.capacity}') || return 1
+  bytes_of "$q"
+}
+claim_capacity_is() { # <claim> <quantity>
+  [[ $($KUBECTL get pvc "$1" -o jsonpath='{.status.capacity.storage}') == "$2" ]]
+}
+published_free_is() { # <node> <class> <bytes>
+  [[ $(published_free "$1" "$2") == "$3" ]]
+}
+# Total KiB of the file system a pod sees at /data.
+data_kib() { # <pod>
+  $KUBECTL exec "$1" -- df -k /data | awk 'NR == 2 {print $2}'
+}
+# Whether an Event of <claim> or of <pod> says <text>.
+events_say() { # <claim> <pod> <text>
+  local o
+  for o in "$1" "$2"; do
+    $KUBECTL get events --field-selector "involvedObject.name=$o" -o jsonpath='{.items[*].message}' | grep -qF "$3" &&
+      return 0
+  done
+  return 1
+}
+
+# Volume expansion as an operator does it (`kubectl patch` of a claim in use): csi-resizer in the
+# controller Deployment leaves the growth to the node, kubelet calls NodeExpandVolume there. An
+# xfs claim grows under its running pod, which sees the new size at once and keeps its data; the
+# node's published capacity drops by the growth. A growth beyond the node's room is refused with
+# the driver's message and changes nothing. ext4 cannot grow online on this machine (its sandbox
+# has no CAP_SYS_RESOURCE): the events say so.
+expansion() {
+  local t0=$SECONDS node before free uid kib
+  $KUBECTL apply -f - >/dev/null <<EOF
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {name: grow-xfs}
+spec:
+  accessModes: [ReadWriteOnce]
+  resources: {requests: {storage: 320Mi}}
+  storageClassName: pmem-csi-sc-xfs
+EOF
+  data_pod grower grow-xfs 'echo kept > /data/kept && sync' | $KUBECTL apply -f - >/dev/null
+  $KUBECTL wait --for=condition=Ready pod/grower --timeout=120s >/dev/null || die "grower not Ready"
+  node=$($KUBECTL get pod grower -o jsonpath='{.spec.nodeName}')
+  uid=$($KUBECTL get pod grower -o jsonpath='{.metadata.uid}')
+  before=$(data_kib grower)
+  wait_for 30 "capacity published by $node after the claim" published_free "$node" pmem-csi-sc-xfs
+  free=$(published_free "$node" pmem-csi-sc-xfs)
+  $KUBECTL patch pvc grow-xfs --type merge -p '{"spec":{"resources":{"requests":{"storage":"640Mi"}}}}' >/dev/null
+  wait_for 180 "claim grow-xfs grown to 640Mi by kubelet on $node" claim_capacity_is grow-xfs 640Mi
+  kib=$(data_kib grower)
+  ((kib > before && kib * 1024 > 600 * 1048576)) || die "the pod sees $kib KiB at /data after growing (was $before)"
+  [[ $($KUBECTL get pod grower -o jsonpath='{.metadata.uid}/{.status.containerStatuses[0].restartCount}') == "$uid/0" ]] ||
+    die "the pod was restarted or replaced by the growth"
+  [[ $($KUBECTL exec grower -- cat /data/kept) == kept ]] || die "data written before the growth is gone"
+  wait_for 30 "$node publishing 320Mi less" published_free_is "$node" pmem-csi-sc-xfs "$((free - 320 * 1048576))"
+  log "expansion: grow-xfs 320Mi -> 640Mi under its running pod on $node (df: $before -> $kib KiB), data kept, capacity down by 320Mi"
+  # More than the node has: refused with the driver's message, nothing changed.
+  $KUBECTL patch pvc grow-xfs --type merge -p '{"spec":{"resources":{"requests":{"storage":"64Gi"}}}}' >/dev/null
+  wait_for 180 "the refused growth reported" events_say grow-xfs grower "cannot grow from"
+  claim_capacity_is grow-xfs 640Mi || die "the refused growth changed the claim's capacity"
+  [[ $(data_kib grower) == "$kib" ]] || die "the refused growth changed the file system"
+  published_free_is "$node" pmem-csi-sc-xfs "$((free - 320 * 1048576))" || die "the refused growth changed the published capacity"
+  log "expansion: a growth beyond $node's room is refused with the driver's message and changes nothing"
+  $KUBECTL delete pod grower --wait=true >/dev/null
+  $KUBECTL delete pvc grow-xfs --wait=true >/dev/null
+  # ext4 here: the driver says why before changing anything.
+  $KUBECTL apply -f - >/dev/null <<EOF
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {name: grow-ext4}
+spec:
+  accessModes: [ReadWriteOnce]
+  resources: {requests: {storage: 64Mi}}
+  storageClassName: pmem-csi-sc-ext4
+EOF
+  data_pod grower-ext4 grow-ext4 'true' | $KUBECTL apply -f - >/dev/null
+  $KUBECTL wait --for=condition=Ready pod/grower-ext4 --timeout=120s >/dev/null || die "grower-ext4 not Ready"
+  $KUBECTL patch pvc grow-ext4 --type merge -p '{"spec":{"resources":{"requests":{"storage":"128Mi"}}}}' >/dev/null
+  wait_for 180 "the ext4 growth's refusal reported" events_say grow-ext4 grower-ext4 CAP_SYS_RESOURCE
+  claim_capacity_is grow-ext4 64Mi || die "the refused ext4 growth changed the claim's capacity"
+  log "expansion: ext4 refused with CAP_SYS_RESOURCE named (this machine's limit)"
+  $KUBECTL delete pod grower-ext4 --wait=true >/dev/null
+  $KUBECTL delete pvc grow-ext4 --wait=true >/dev/null
+  no_volume_left "the expansion checks"
+  log "expansion passed in $((SECONDS - t0))s"
 }
 
 verify() {
@@ -886,6 +993,7 @@ EOF
   log "examples Running: $(tr '\n' ' ' <<<"$pods")"
   $KUBECTL delete -f "$ex" --wait=true >/dev/null
   no_volume_left "the examples"
+  expansion
   log "verify passed in $((SECONDS - t0))s"
 }
 

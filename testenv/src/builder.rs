@@ -15,6 +15,8 @@ use crate::{TestEnv, TestEnvError};
 pub(crate) struct ControllerSetup {
     pub(crate) webhook: bool,
     pub(crate) args: Vec<String>,
+    /// csi-resizer beside the controller, on the controller's resizer endpoint.
+    pub(crate) resizer: bool,
 }
 
 /// How to build a [`TestEnv`].
@@ -66,6 +68,7 @@ impl TestEnvBuilder {
         self.controller = Some(ControllerSetup {
             webhook: true,
             args: args.into_iter().map(Into::into).collect(),
+            resizer: false,
         });
         self
     }
@@ -80,7 +83,17 @@ impl TestEnvBuilder {
         self.controller = Some(ControllerSetup {
             webhook: false,
             args: args.into_iter().map(Into::into).collect(),
+            resizer: false,
         });
+        self
+    }
+
+    /// Runs csi-resizer beside the controller (which must be configured first), as the
+    /// controller Deployment does: the controller serves its endpoint on a socket of its own.
+    pub fn with_resizer(mut self) -> Self {
+        if let Some(setup) = self.controller.as_mut() {
+            setup.resizer = true;
+        }
         self
     }
 

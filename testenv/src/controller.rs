@@ -26,6 +26,8 @@ pub(crate) struct ControllerProcess {
     process: Supervised,
     webhook: u16,
     admin: u16,
+    /// csi-resizer, when the setup asks for it: held so that it runs beside the controller.
+    _resizer: Option<Supervised>,
 }
 
 /// The manifests' MutatingWebhookConfiguration as testenv can use it: its webhook (rules,
@@ -81,6 +83,11 @@ impl TestEnv {
     ) -> Result<ControllerProcess, TestEnvError> {
         let (webhook, admin) = (ports::free_port()?, ports::free_port()?);
         let process = self.supervise(self.controller_process(setup, webhook, admin)?);
+        let resizer = if setup.resizer {
+            Some(self.supervise(self.resizer_process()?))
+        } else {
+            None
+        };
         if setup.webhook {
             self.register_pod_webhook(client, webhook).await?;
         }
@@ -88,7 +95,39 @@ impl TestEnv {
             process,
             webhook,
             admin,
+            _resizer: resizer,
         })
+    }
+
+    /// Where the controller serves the resizer's endpoint.
+    fn resizer_socket(&self) -> std::path::PathBuf {
+        self.dir().join("controller-resizer.sock")
+    }
+
+    /// csi-resizer as the controller Deployment runs it, under the controller's
+    /// ServiceAccount, on the controller's socket. It waits for the socket itself.
+    fn resizer_process(&self) -> Result<ProcessSpec, TestEnvError> {
+        let launch = self.manifests.launch(manifests::OurContainer::Resizer)?;
+        let kubeconfig = self.account_kubeconfig(&launch.service_account, "csi-resizer")?;
+        let pod = manifests::PodFacts {
+            name: "csi-resizer".into(),
+            namespace: manifests::NAMESPACE.into(),
+            node_name: "control-plane".into(),
+        };
+        let overrides = manifests::Overrides::new()
+            .set("--csi-address", self.resizer_socket().display().to_string())
+            .set("--kubeconfig", kubeconfig.display().to_string())
+            .remove("--http-endpoint")
+            .remove("--metrics-address");
+        Ok(crate::node_processes::container_process(
+            &self.manifests,
+            manifests::OurContainer::Resizer,
+            "csi-resizer",
+            &self.tools.go("csi-resizer"),
+            &pod,
+            "csi-resizer.log",
+            &overrides,
+        )?)
     }
 
     /// The controller's process: its admin server on `admin`, its webhook on `webhook` when
@@ -100,6 +139,12 @@ impl TestEnv {
         admin: u16,
     ) -> Result<ProcessSpec, TestEnvError> {
         let mut all = vec![format!("--admin-address=127.0.0.1:{admin}")];
+        if setup.resizer {
+            all.push(format!(
+                "--resizer-endpoint=unix://{}",
+                self.resizer_socket().display()
+            ));
+        }
         if setup.webhook {
             all.push(format!("--webhook-address=127.0.0.1:{webhook}"));
             all.push("--self-signed-san=127.0.0.1".to_string());

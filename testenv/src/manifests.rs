@@ -85,6 +85,8 @@ pub enum OurContainer {
     Provisioner,
     /// `pmem-csi controller` in the controller Deployment.
     Controller,
+    /// external-resizer in the controller Deployment.
+    Resizer,
     /// `pmem-csi extender` in the extender DaemonSet (component).
     Extender,
 }
@@ -102,6 +104,7 @@ impl OurContainer {
             OurContainer::Controller => {
                 ("Deployment", "pmem-csi-intel-com-controller", "pmem-driver")
             }
+            OurContainer::Resizer => ("Deployment", "pmem-csi-intel-com-controller", "csi-resizer"),
             OurContainer::Extender => ("DaemonSet", "pmem-csi-intel-com-extender", "pmem-extender"),
         }
     }

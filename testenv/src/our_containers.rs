@@ -29,10 +29,15 @@ impl TestEnv {
             namespace: manifests::NAMESPACE.into(),
             node_name: "control-plane".into(),
         };
-        let overrides = manifests::Overrides::new()
+        let mut defaults = manifests::Overrides::new()
             .set("--admin-address", "127.0.0.1:0")
-            .and(&self.driver_name_override())
-            .and(overrides);
+            .and(&self.driver_name_override());
+        if which == manifests::OurContainer::Controller {
+            // The manifests' socket is the pod's; a controller serves the resizer's endpoint
+            // only where a test gives it one of its own (TestEnvBuilder::with_resizer).
+            defaults = defaults.remove("--resizer-endpoint");
+        }
+        let overrides = defaults.and(overrides);
         Ok(node_processes::container_process(
             rendered,
             which,

@@ -14,6 +14,7 @@ pub const GO_TOOLS: &[&str] = &[
     "kube-scheduler",
     "kubectl",
     "csi-provisioner",
+    "csi-resizer",
     "csi-sanity",
 ];
 
