@@ -25,7 +25,8 @@ const VOLUME_SIZE: i64 = 4 << 20;
 /// Stop creating beyond this many volumes, so one region listing stays cheap.
 const MAX_VOLUMES: usize = 60;
 
-/// Every fault point the driver has, and the operation that reaches it.
+/// The fault points of create, delete and stage, and the operation that reaches each (a
+/// growth's are exercised by tests/expansion.rs).
 const FAULT_POINTS: &[(&str, Op)] = &[
     ("after-state-write", Op::Create),
     ("after-allocation-open", Op::Create),

@@ -484,3 +484,67 @@ async fn the_central_resizer_leaves_growth_to_the_node() {
         "csi-resizer took its node-only path:\n{log}"
     );
 }
+
+/// The driver killed at each point of a growth (state written; file allocated but the loop
+/// device not told; everything done but the state settled): the call fails, the restart's
+/// repair finishes the growth, and kubelet's retry grows the file system; the data stays.
+#[tokio::test]
+async fn a_growth_cut_short_by_a_crash_is_finished() {
+    for point in [
+        "after-growth-state-write",
+        "after-growth-allocation",
+        "after-growth",
+    ] {
+        let root = tempfile::tempdir().expect("tempdir");
+        let dirs = testenv::node_driver::NodeDriverDirs::under(root.path());
+        let args = testenv::node_driver::emulated_args("node-1", &dirs, "1Gi");
+        let mut h = Harness::start_with_env(
+            bin(),
+            root,
+            dirs,
+            args.clone(),
+            &[(driver::faults::FAULT_POINT_ENV, point)],
+        )
+        .await;
+        let id = h.create("crash", 320 * MI, &[]).await.volume_id;
+        let target = h.path("target");
+        h.stage(&id, mount("xfs")).await.expect("stage");
+        h.publish(&id, &target, mount("xfs"), false, &[])
+            .await
+            .expect("publish");
+        std::fs::write(target.join("data"), b"before the crash").expect("write");
+        let before = fs_bytes(&target);
+        h.expand(&id, &target, 512 * MI)
+            .await
+            .expect_err(&format!("the driver dies at {point}"));
+        h.restart(args).await;
+        assert_eq!(
+            file_size(&volume_file(&h, &id)),
+            512 * MI,
+            "{point}: start-up finished the growth"
+        );
+        let state =
+            std::fs::read_to_string(h.dirs.state.join(format!("{id}.json"))).expect("state");
+        assert!(
+            state.contains(&format!("\"size\":{}", 512 * MI)) && !state.contains("growingFrom"),
+            "{point}: {state}"
+        );
+        assert_eq!(
+            h.expand(&id, &target, 512 * MI)
+                .await
+                .expect("kubelet retries"),
+            512 * MI,
+            "{point}"
+        );
+        assert!(fs_bytes(&target) > before, "{point}: the file system grew");
+        assert_eq!(
+            std::fs::read(target.join("data")).expect("read"),
+            b"before the crash",
+            "{point}"
+        );
+        h.unpublish(&id, &target).await;
+        h.unstage(&id).await;
+        h.delete(&id).await;
+        h.finish().await;
+    }
+}
