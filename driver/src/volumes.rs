@@ -618,6 +618,8 @@ impl Volumes {
         }
         let settled = VolumeState {
             size: i64::try_from(size).unwrap_or(i64::MAX),
+            // A state a failed settling left growing is settled by this growth too.
+            growing_from: None,
             ..volume.clone()
         };
         let growing = VolumeState {
