@@ -894,6 +894,7 @@ EOF
   # region's size (no other volume is left by the checks before, see no_volume_left).
   managed=$($KUBECTL -n pmem-csi get csistoragecapacity "pmem-csi-$node-pmem-csi-sc-xfs" \
     -o jsonpath='{.metadata.annotations.pmem-csi\.intel\.com/managed-bytes}')
+  [[ -n $managed ]] || die "no managed-bytes annotation on pmem-csi-$node-pmem-csi-sc-xfs"
   free=$((managed - 320 * 1048576))
   wait_for 30 "$node publishing the claim's 320Mi as used" published_free_is "$node" pmem-csi-sc-xfs "$free"
   $KUBECTL patch pvc grow-xfs --type merge -p '{"spec":{"resources":{"requests":{"storage":"640Mi"}}}}' >/dev/null

@@ -374,7 +374,10 @@ impl Volumes {
                         ..volume.clone()
                     }
                 }
-                Err(e) => {
+                // No room (or a mode that cannot grow): undone, the device kept its old size.
+                // Anything else may pass (a tool failing once): the start fails and is retried,
+                // the growth still recorded.
+                Err(e @ (BackendError::NoSpace { .. } | BackendError::CannotGrow { .. })) => {
                     let old = volume.growing_from.unwrap_or(volume.size);
                     tracing::warn!(
                         id,
@@ -388,6 +391,7 @@ impl Volumes {
                         ..volume.clone()
                     }
                 }
+                Err(e) => return Err(VolumeError::backend(id, e)),
             };
             self.state.write(&settled)?;
             index.insert(id.clone(), settled);
@@ -630,9 +634,9 @@ impl Volumes {
             self.state.write(&growing)?;
             crate::faults::point("after-growth-state-write");
             if let Err(e) = backend.grow(id, size) {
-                if let Err(undo) = self.state.write(&volume) {
-                    tracing::error!(id, "restoring the state after a failed growth: {undo}");
-                }
+                // Unless the old size is recorded again, start-up would finish this growth
+                // later: the call must then fail as retriable, not as refused.
+                self.state.write(&volume)?;
                 // No room is OUT_OF_RANGE, which kubelet takes as final (the user may ask
                 // for less) instead of retrying for ever.
                 return Err(match e {
