@@ -68,6 +68,10 @@ pub struct ClaimFacts {
     pub deleting: bool,
     /// `metadata.uid`, to tell a claim from an earlier one of the same name.
     pub uid: Option<String>,
+    /// A growth of the claim failed or was refused: `status.allocatedResourceStatuses.storage`
+    /// says `…Failed` or `…Infeasible`, or a resize-error condition holds (kubelet reports a
+    /// refusal from the node as `NodeResizeError`).
+    pub growth_failed: bool,
 }
 
 impl ClaimFacts {
@@ -87,6 +91,7 @@ impl ClaimFacts {
             request: spec.and_then(|s| storage_request(s.resources.as_ref()?.requests.as_ref())),
             deleting: claim.metadata.deletion_timestamp.is_some(),
             uid: claim.metadata.uid.clone(),
+            growth_failed: growth_failed(claim),
         }
     }
 
@@ -94,6 +99,22 @@ impl ClaimFacts {
     pub fn bound(&self) -> bool {
         self.volume_name.is_some()
     }
+}
+
+/// Whether the claim's last growth failed or was refused (see [`ClaimFacts::growth_failed`]).
+fn growth_failed(claim: &PersistentVolumeClaim) -> bool {
+    let Some(status) = claim.status.as_ref() else {
+        return false;
+    };
+    let resize_status = status
+        .allocated_resource_statuses
+        .as_ref()
+        .and_then(|s| s.get("storage"))
+        .is_some_and(|s| s.ends_with("Failed") || s.ends_with("Infeasible"));
+    let error_condition = status.conditions.iter().flatten().any(|c| {
+        c.status == "True" && (c.type_ == "NodeResizeError" || c.type_ == "ControllerResizeError")
+    });
+    resize_status || error_condition
 }
 
 impl From<&PersistentVolumeClaim> for ClaimFacts {
@@ -322,6 +343,7 @@ mod tests {
                 request: Some(1 << 30),
                 deleting: true,
                 uid: Some("u1".into()),
+                growth_failed: false,
             }
         );
         assert!(facts.bound());
@@ -330,6 +352,43 @@ mod tests {
             serde_json::from_value(json!({"spec": {"resources": {"requests": {"storage": "0"}}}}))
                 .expect("claim");
         assert_eq!(ClaimFacts::of(&empty), ClaimFacts::default());
+    }
+
+    #[test]
+    fn a_failed_or_refused_growth_is_seen() {
+        for (case, status, want) in [
+            ("no status", json!(null), false),
+            (
+                "growing",
+                json!({"allocatedResourceStatuses": {"storage": "NodeResizePending"}}),
+                false,
+            ),
+            (
+                "infeasible",
+                json!({"allocatedResourceStatuses": {"storage": "NodeResizeInfeasible"}}),
+                true,
+            ),
+            (
+                "failed",
+                json!({"allocatedResourceStatuses": {"storage": "ControllerResizeFailed"}}),
+                true,
+            ),
+            (
+                "refused by the node",
+                json!({"allocatedResourceStatuses": {"storage": "NodeResizeInProgress"},
+                       "conditions": [{"type": "NodeResizeError", "status": "True"}]}),
+                true,
+            ),
+            (
+                "an old error",
+                json!({"conditions": [{"type": "NodeResizeError", "status": "False"}]}),
+                false,
+            ),
+        ] {
+            let claim: PersistentVolumeClaim =
+                serde_json::from_value(json!({"status": status})).expect("claim");
+            assert_eq!(ClaimFacts::of(&claim).growth_failed, want, "{case}");
+        }
     }
 
     #[test]

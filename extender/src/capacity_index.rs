@@ -700,8 +700,14 @@ impl CapacityIndex {
                 // A bound claim asking for more than its PV holds is being expanded: the room
                 // the growth needs counts from the moment the claim asks (the resizer raises
                 // the PV's size next, and the node grows the volume later still).
+                // A growth the node refused (no room) counts no more: the room it would need
+                // does not exist, and counting it would turn every new volume away from the node.
                 Some((node, size)) => {
-                    let asked = self.claims.get(claim).and_then(|c| c.request);
+                    let asked = self
+                        .claims
+                        .get(claim)
+                        .filter(|c| !c.growth_failed)
+                        .and_then(|c| c.request);
                     (Some((node, size.max(asked.unwrap_or(0)))), true)
                 }
                 // Bound claims count too while their PV is unseen: the binder's update of the
@@ -1049,6 +1055,16 @@ mod tests {
         ));
         let usage = index.usage("n1", &[]);
         assert_eq!((usage.allocated, usage.unreflected.len()), (3 * GI, 0));
+        // A growth the node refuses (kubelet marks the claim) counts no more.
+        let mut refused = sized_claim("a", "late", "9Gi", Some("n1"), Some("pv-a"));
+        refused.status = Some(k8s_openapi::api::core::v1::PersistentVolumeClaimStatus {
+            allocated_resource_statuses: Some(
+                [("storage".to_string(), "NodeResizeInfeasible".to_string())].into(),
+            ),
+            ..Default::default()
+        });
+        index.apply_claim(&refused);
+        assert_eq!(index.usage("n1", &[]).allocated, 3 * GI);
         // A claim's PV arriving with its aligned size is not a growth.
         index.apply_claim(&sized_claim("b", "late", "1Gi", Some("n1"), None));
         index.apply_capacity(&managed_capacity(
