@@ -813,6 +813,23 @@ spec:
 EOF
 }
 
+# A ReadWriteOnce claim <name> asking for <size> of class <class>.
+apply_claim() { # <name> <size> <class>
+  $KUBECTL apply -f - >/dev/null <<EOF
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {name: $1}
+spec:
+  accessModes: [ReadWriteOnce]
+  resources: {requests: {storage: $2}}
+  storageClassName: $3
+EOF
+}
+# Claim <name> asks for <size> now (a growth, as an operator asks for it).
+ask_for() { # <name> <size>
+  $KUBECTL patch pvc "$1" --type merge -p "{\"spec\":{\"resources\":{\"requests\":{\"storage\":\"$2\"}}}}" >/dev/null
+}
+
 no_pvs() { [[ -z $($KUBECTL get pv -o name 2>/dev/null) ]]; }
 # After <what>: no PV, and no volume or state file on any node.
 no_volume_left() { # <what>
@@ -876,15 +893,7 @@ reported() { # <claim> <pod> <text>
 # has no CAP_SYS_RESOURCE): the events say so.
 expansion() {
   local t0=$SECONDS node before free uid kib managed
-  $KUBECTL apply -f - >/dev/null <<EOF
-apiVersion: v1
-kind: PersistentVolumeClaim
-metadata: {name: grow-xfs}
-spec:
-  accessModes: [ReadWriteOnce]
-  resources: {requests: {storage: 320Mi}}
-  storageClassName: pmem-csi-sc-xfs
-EOF
+  apply_claim grow-xfs 320Mi pmem-csi-sc-xfs
   data_pod grower grow-xfs 'echo kept > /data/kept && sync' | $KUBECTL apply -f - >/dev/null
   $KUBECTL wait --for=condition=Ready pod/grower --timeout=120s >/dev/null || die "grower not Ready"
   node=$($KUBECTL get pod grower -o jsonpath='{.spec.nodeName}')
@@ -897,7 +906,7 @@ EOF
   [[ -n $managed ]] || die "no managed-bytes annotation on pmem-csi-$node-pmem-csi-sc-xfs"
   free=$((managed - 320 * 1048576))
   wait_for 30 "$node publishing the claim's 320Mi as used" published_free_is "$node" pmem-csi-sc-xfs "$free"
-  $KUBECTL patch pvc grow-xfs --type merge -p '{"spec":{"resources":{"requests":{"storage":"640Mi"}}}}' >/dev/null
+  ask_for grow-xfs 640Mi
   wait_for 180 "claim grow-xfs grown to 640Mi by kubelet on $node" claim_capacity_is grow-xfs 640Mi
   kib=$(data_kib grower)
   # The file system gains (nearly) all of the 320Mi; xfs keeps its log out of df's total.
@@ -908,7 +917,7 @@ EOF
   wait_for 30 "$node publishing 320Mi less" published_free_is "$node" pmem-csi-sc-xfs "$((free - 320 * 1048576))"
   log "expansion: grow-xfs 320Mi -> 640Mi under its running pod on $node (df: $before -> $kib KiB), data kept, capacity down by 320Mi"
   # More than the node has: refused with the driver's message, nothing changed.
-  $KUBECTL patch pvc grow-xfs --type merge -p '{"spec":{"resources":{"requests":{"storage":"64Gi"}}}}' >/dev/null
+  ask_for grow-xfs 64Gi
   wait_for 180 "the refused growth reported" reported grow-xfs grower "cannot grow from"
   claim_capacity_is grow-xfs 640Mi || die "the refused growth changed the claim's capacity"
   [[ $(data_kib grower) == "$kib" ]] || die "the refused growth changed the file system"
@@ -917,18 +926,10 @@ EOF
   $KUBECTL delete pod grower --wait=true >/dev/null
   $KUBECTL delete pvc grow-xfs --wait=true >/dev/null
   # ext4 here: the driver says why before changing anything.
-  $KUBECTL apply -f - >/dev/null <<EOF
-apiVersion: v1
-kind: PersistentVolumeClaim
-metadata: {name: grow-ext4}
-spec:
-  accessModes: [ReadWriteOnce]
-  resources: {requests: {storage: 64Mi}}
-  storageClassName: pmem-csi-sc-ext4
-EOF
+  apply_claim grow-ext4 64Mi pmem-csi-sc-ext4
   data_pod grower-ext4 grow-ext4 'true' | $KUBECTL apply -f - >/dev/null
   $KUBECTL wait --for=condition=Ready pod/grower-ext4 --timeout=120s >/dev/null || die "grower-ext4 not Ready"
-  $KUBECTL patch pvc grow-ext4 --type merge -p '{"spec":{"resources":{"requests":{"storage":"128Mi"}}}}' >/dev/null
+  ask_for grow-ext4 128Mi
   wait_for 180 "the ext4 growth's refusal reported" reported grow-ext4 grower-ext4 CAP_SYS_RESOURCE
   claim_capacity_is grow-ext4 64Mi || die "the refused ext4 growth changed the claim's capacity"
   log "expansion: ext4 refused with CAP_SYS_RESOURCE named (this machine's limit)"
@@ -952,15 +953,7 @@ verify() {
     wait_for 60 "the heartbeat Lease of $n (through the node Lease policy)" heartbeat_of "$n"
   done
   # A late-binding claim: written by one pod, read back by the next.
-  $KUBECTL apply -f - >/dev/null <<EOF
-apiVersion: v1
-kind: PersistentVolumeClaim
-metadata: {name: data}
-spec:
-  accessModes: [ReadWriteOnce]
-  resources: {requests: {storage: 256Mi}}
-  storageClassName: pmem-csi-sc-ext4
-EOF
+  apply_claim data 256Mi pmem-csi-sc-ext4
   data_pod writer data 'echo written-by-writer > /data/hello && sync' | $KUBECTL apply -f - >/dev/null
   $KUBECTL wait --for=condition=Ready pod/writer --timeout=120s >/dev/null || die "writer not Ready"
   # The pod webhook (called by the apiserver through its Service) asked for the extender's resource.
