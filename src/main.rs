@@ -27,6 +27,9 @@ enum Mode {
     Controller(Box<ControllerCommand>),
     /// Scheduler extender beside kube-scheduler (host-network DaemonSet on control-plane nodes).
     Extender(ExtenderCommand),
+    /// Why a pod is Pending, or where its PMEM volumes are (`explain pod/NAME`); also
+    /// `kubectl pmem-csi explain` when installed as `kubectl-pmem_csi`.
+    Explain(explain::ExplainArgs),
 }
 
 /// `pmem-csi node`.
@@ -117,11 +120,17 @@ impl Common {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(kubectl_plugin_args(std::env::args_os()));
+    if let Mode::Explain(args) = &cli.mode {
+        let config = args.validate()?;
+        print!("{}", explain::run(&config).await?);
+        return Ok(());
+    }
     let (mode, admin_address, log_format) = match &cli.mode {
         Mode::Node(c) => ("node", c.common.admin(10010), c.common.log_format),
         Mode::Controller(c) => ("controller", c.common.admin(10011), c.common.log_format),
         Mode::Extender(c) => ("extender", c.common.admin(10012), c.common.log_format),
+        Mode::Explain(_) => return Ok(()),
     };
     controllers::logging::init(log_format).map_err(anyhow::Error::msg)?;
     tracing::info!(mode, version = env!("CARGO_PKG_VERSION"), "starting");
@@ -170,9 +179,11 @@ async fn main() -> anyhow::Result<()> {
                 .map(|r| r.map_err(anyhow::Error::from)),
         );
     }
+    let mut admin_routes = None;
     if let Mode::Extender(c) = &cli.mode {
         let config = c.extender.validate()?;
         let extender = extender::Extender::start(config, &mut registry, &readiness).await?;
+        admin_routes = Some(extender.admin_routes());
         work.spawn(
             host(extender.concerns(), None, shutdown.clone())
                 .map(|r| r.map_err(anyhow::Error::from)),
@@ -181,6 +192,10 @@ async fn main() -> anyhow::Result<()> {
     let admin = AdminServer::bind(admin_address, registry, readiness)
         .await
         .context("starting the admin server")?;
+    let admin = match admin_routes {
+        Some(routes) => admin.with_routes(routes),
+        None => admin,
+    };
     let token = shutdown.clone();
     work.spawn(async move { admin.serve(token).await.map_err(anyhow::Error::from) });
 
@@ -199,6 +214,24 @@ async fn main() -> anyhow::Result<()> {
         ended.context("server task")??;
     }
     Ok(())
+}
+
+/// The arguments with argv[0] as `pmem-csi` names itself: kubectl runs a plugin
+/// `kubectl-pmem_csi` for `kubectl pmem-csi`, and clap would otherwise print that file name
+/// in its usage.
+fn kubectl_plugin_args(
+    args: impl Iterator<Item = std::ffi::OsString>,
+) -> impl Iterator<Item = std::ffi::OsString> {
+    args.enumerate().map(|(i, arg)| {
+        let plugin = std::path::Path::new(&arg)
+            .file_name()
+            .is_some_and(|name| name == "kubectl-pmem_csi");
+        if i == 0 && plugin {
+            "kubectl pmem-csi".into()
+        } else {
+            arg
+        }
+    })
 }
 
 /// `pmem-csi controller rotate-ca`.

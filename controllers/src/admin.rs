@@ -44,6 +44,8 @@ pub struct AdminServer {
     listener: TcpListener,
     address: SocketAddr,
     state: Arc<AdminState>,
+    /// Routes a mode adds (the extender's read-only `/explain`).
+    extra: Router,
 }
 
 struct AdminState {
@@ -71,7 +73,15 @@ impl AdminServer {
                 registry,
                 readiness,
             }),
+            extra: Router::new(),
         })
+    }
+
+    /// Serves `routes` beside `/healthz`, `/readyz` and `/metrics` (which they must not
+    /// repeat: axum panics on a duplicate path).
+    pub fn with_routes(mut self, routes: Router) -> Self {
+        self.extra = self.extra.merge(routes);
+        self
     }
 
     /// The address actually bound (differs from the requested one for port 0).
@@ -83,7 +93,7 @@ impl AdminServer {
     pub async fn serve(self, shutdown: CancellationToken) -> Result<(), AdminError> {
         let address = self.address;
         tracing::info!(%address, "admin server listening");
-        axum::serve(self.listener, router(self.state))
+        axum::serve(self.listener, router(self.state).merge(self.extra))
             .with_graceful_shutdown(shutdown.cancelled_owned())
             .await
             .map_err(|source| AdminError::Serve { address, source })

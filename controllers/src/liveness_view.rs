@@ -238,7 +238,7 @@ impl LivenessView {
 }
 
 /// Builds the observation from objects (`lease`: `None` = heartbeats not used).
-fn observation(
+pub fn observation(
     settings: &LivenessSettings,
     node: Option<&Node>,
     csinode: Option<&CSINode>,

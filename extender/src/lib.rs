@@ -7,10 +7,12 @@
 
 pub mod api;
 pub mod capacity_index;
+pub mod explain_route;
 pub mod fit;
 pub mod metrics;
 pub mod node_table;
 pub mod placement;
+pub mod pod_view;
 pub mod reservation_book;
 pub mod reservation_journal;
 pub mod score;

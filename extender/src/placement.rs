@@ -18,6 +18,7 @@ use crate::api::{
 use crate::capacity_index::{CapacityIndex, NodeId, VolumeKey};
 use crate::fit::{self, NodeView};
 use crate::metrics::ReservationEvent;
+use crate::pod_view::{DemandView, NodeFitView, PodView, ReservationView, ReservedOn};
 use crate::reservation_book::{Entry, EntryKey, ReservationBook};
 use crate::reservation_journal::{
     JournalRecord, NODE_LIST_LIMIT, ReservedRecord, expiry_from_wall, expiry_to_wall,
@@ -583,6 +584,133 @@ impl ExtenderState {
         outcome
     }
 
+    /// What `/filter` would decide about `pod` now, on every node that published capacity or
+    /// holds its reservation, without reserving or ending anything (`GET /explain`).
+    pub fn explain(
+        &self,
+        pod: &Pod,
+        driverless: &dyn Fn(&str) -> bool,
+        placement: Placement,
+        now: Instant,
+    ) -> PodView {
+        let namespace = pod.metadata.namespace.as_deref().unwrap_or_default();
+        let uid = pod.metadata.uid.as_deref().unwrap_or_default();
+        let facts = self.facts(pod, namespace);
+        let demand = self.demand_from(pod, &facts);
+        let reservation = self.book.get(uid);
+        let mut names: Vec<String> = self.index.nodes().map(str::to_owned).collect();
+        if let Some(r) = &reservation {
+            names.extend(
+                r.nodes
+                    .iter()
+                    .filter_map(|id| self.index.node_name(*id).map(str::to_owned)),
+            );
+        }
+        names.sort_unstable();
+        names.dedup();
+        let nodes = names
+            .iter()
+            .map(|node| self.node_fit(node, &demand, uid, driverless(node)))
+            .collect();
+        PodView {
+            pod: format!(
+                "{namespace}/{}",
+                pod.metadata.name.as_deref().unwrap_or_default()
+            ),
+            uid: uid.to_owned(),
+            placement: placement.to_string(),
+            unseen: pod_volumes::first_unseen(pod, namespace, &facts).map(|u| u.to_string()),
+            demand: demand
+                .sizes
+                .iter()
+                .zip(self.demand_keys(pod, &facts, uid))
+                .map(|(bytes, (key, selected))| DemandView {
+                    key,
+                    bytes: *bytes,
+                    selected,
+                })
+                .collect(),
+            reservation: reservation.map(|r| {
+                let mut held: Vec<ReservedOn> = r
+                    .nodes
+                    .iter()
+                    .filter_map(|id| {
+                        let node = self.index.node_name(*id)?;
+                        let published = self.index.usage(node, &[]).published;
+                        let bytes = r.entries.iter().fold(0u64, |sum, e| {
+                            let cost = match &published {
+                                Some(p) => volume_cost(e.size, p.alignment, p.overhead.as_ref()),
+                                None => Some(e.size),
+                            };
+                            sum.saturating_add(cost.unwrap_or(u64::MAX))
+                        });
+                        Some(ReservedOn {
+                            node: node.to_owned(),
+                            bytes,
+                        })
+                    })
+                    .collect();
+                held.sort_unstable_by(|a, b| a.node.cmp(&b.node));
+                ReservationView {
+                    age_seconds: now.saturating_duration_since(r.created).as_secs(),
+                    nodes: held,
+                    entries: r.entries,
+                }
+            }),
+            nodes,
+        }
+    }
+
+    /// The keys of the pod's pending volumes in [`Demand::sizes`] order, each with whether its
+    /// claim already has a selected node.
+    fn demand_keys(&self, pod: &Pod, facts: &VolumeFacts, uid: &str) -> Vec<(EntryKey, bool)> {
+        let namespace = pod.metadata.namespace.as_deref().unwrap_or_default();
+        pod_volumes::pending_volumes(pod, namespace, self.index.driver(), facts)
+            .into_iter()
+            .map(|volume| {
+                let selected = match &volume.source {
+                    VolumeSource::Claim(key) | VolumeSource::Ephemeral(key) => self
+                        .index
+                        .claim(key)
+                        .is_some_and(|c| c.selected_node.is_some()),
+                    VolumeSource::Inline => false,
+                };
+                (volume.key(uid), selected)
+            })
+            .collect()
+    }
+
+    /// One node of [`ExtenderState::explain`]: the numbers `/filter` reads and its verdict.
+    fn node_fit(&self, node: &str, demand: &Demand, uid: &str, driverless: bool) -> NodeFitView {
+        let verdict = if driverless {
+            Err(fit::NOT_RUNNING.to_string())
+        } else {
+            self.fit_on(node, demand, uid)
+        };
+        let view = self.view(node, demand, uid);
+        let (free_after, reason) = match verdict {
+            Ok(free) => (Some(free), None),
+            Err(reason) => (None, Some(reason)),
+        };
+        let published = self.index.usage(node, &demand.own_claims).published;
+        NodeFitView {
+            node: node.to_owned(),
+            driverless,
+            published: view.is_some(),
+            pools: published
+                .as_ref()
+                .map(|p| p.pools.clone())
+                .unwrap_or_default(),
+            managed: published.as_ref().and_then(|p| p.managed),
+            allocated: view.as_ref().map_or(0, |v| v.allocated),
+            reserved_by_others: view.as_ref().map_or(0, |v| v.reserved),
+            alignment: view.as_ref().map_or(1, |v| v.alignment),
+            fits: free_after.is_some(),
+            free_after,
+            reason,
+        }
+    }
+
     /// `/prioritize`: 0–10 per candidate by free PMEM after placing the pod.
     pub fn prioritize(&self, request: &ExtenderRequest, policy: ScorePolicy) -> HostPriorityList {
         let demand = self.demand(&request.pod);
@@ -728,6 +856,80 @@ mod tests {
         // Once seen, it is filtered as usual.
         state.apply_claim(&sized_claim("p", "late", "100Mi", None, None));
         assert_eq!(filter(&mut state, "p", &["n1"]), ["n1"]);
+    }
+
+    #[test]
+    fn explain_reports_what_filter_decides_and_changes_nothing() {
+        let mut state = state(&["n1", "n2", "n3"], "10Gi", Some(GI));
+        // n2 is nearly full, n3 has no driver.
+        state.apply_claim(&sized_claim("other", "late", "900Mi", Some("n2"), None));
+        state.apply_claim(&sized_claim("p", "late", "200Mi", None, None));
+        let driverless: &dyn Fn(&str) -> bool = &|n| n == "n3";
+        let before = state.explain(
+            &claim_pod("p"),
+            driverless,
+            Placement::ReserveAll,
+            Instant::now(),
+        );
+        assert_eq!(before.reservation, None);
+        assert_eq!(before.unseen, None);
+        assert_eq!(before.demand.len(), 1);
+        assert_eq!(before.demand[0].bytes, 200 * MI);
+        let verdicts = |v: &PodView| {
+            v.nodes
+                .iter()
+                .map(|n| (n.node.clone(), n.fits, n.reason.clone()))
+                .collect::<Vec<_>>()
+        };
+        let insufficient = Some("insufficient PMEM for 1 volume (200.0MiB)".to_string());
+        let want = vec![
+            ("n1".to_string(), true, None),
+            ("n2".to_string(), false, insufficient),
+            ("n3".to_string(), false, Some(fit::NOT_RUNNING.to_string())),
+        ];
+        assert_eq!(verdicts(&before), want);
+        assert_eq!(state.reserved_bytes(), 0, "explain reserves nothing");
+        // /filter agrees and reserves on n1; explain then shows the reservation, the same
+        // verdicts (a pod's own reservation never counts against it) and n1's numbers.
+        let body = serde_json::json!({ "Pod": claim_pod("p"), "NodeNames": ["n1", "n2", "n3"] });
+        let outcome = state.filter(
+            decode_request(body.to_string().as_bytes()).expect("valid request"),
+            driverless,
+            Placement::ReserveAll,
+            ScorePolicy::MostFree,
+            Instant::now(),
+        );
+        assert_eq!(outcome.result_nodes, 1);
+        let after = state.explain(
+            &claim_pod("p"),
+            driverless,
+            Placement::ReserveAll,
+            Instant::now(),
+        );
+        assert_eq!(verdicts(&after), want);
+        let reservation = after.reservation.expect("held");
+        assert_eq!(
+            reservation.nodes,
+            [ReservedOn {
+                node: "n1".into(),
+                bytes: 200 * MI
+            }]
+        );
+        let n2 = &after.nodes[1];
+        assert_eq!(
+            (n2.allocated, n2.managed, n2.alignment),
+            (900 * MI, Some(GI), 4 * MI)
+        );
+        // Another pod sees the reservation as held by others.
+        state.apply_claim(&sized_claim("q", "late", "100Mi", None, None));
+        let other = state.explain(
+            &claim_pod("q"),
+            driverless,
+            Placement::ReserveAll,
+            Instant::now(),
+        );
+        assert_eq!(other.nodes[0].reserved_by_others, 200 * MI);
+        assert_eq!(state.reserved_bytes(), 200 * MI, "explain ends nothing");
     }
 
     /// A state with pods `pods` pending, each with its own 6 GiB claim, on nodes of 10 GiB.

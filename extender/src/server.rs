@@ -171,6 +171,9 @@ struct Shared {
     /// Locked only while `state` is (after it), so that records land in the order of the
     /// changes they describe.
     journal: Arc<Mutex<Option<ReservationJournal>>>,
+    /// Reads the pod `GET /explain` names (the index keeps no pod specs). Never used on the
+    /// scheduler's routes.
+    client: kube::Client,
 }
 
 /// The running extender: watches started, routes bound.
@@ -229,6 +232,7 @@ impl Extender {
             metrics: ExtenderMetrics::register(registry),
             synced: Arc::default(),
             journal: Arc::new(Mutex::new(journal)),
+            client: client.clone(),
         };
         let mut watches_synced = Vec::new();
         let driver_label = format!(
@@ -281,6 +285,12 @@ impl Extender {
     /// The bound route address.
     pub fn local_addr(&self) -> Option<SocketAddr> {
         self.listener.local_addr().ok()
+    }
+
+    /// The read-only routes the process's admin server adds for the extender: `GET /explain`
+    /// (what `/filter` would decide about a pod, and what it holds for it).
+    pub fn admin_routes(&self) -> Router {
+        crate::explain_route::router(self.shared.explain_source())
     }
 
     /// The extender as the process hosts it: one concern, serving until shutdown.
@@ -358,6 +368,24 @@ impl Extender {
 }
 
 impl Shared {
+    fn explain_source(&self) -> crate::explain_route::ExplainSource {
+        let state = Arc::clone(&self.state);
+        let liveness = self.liveness.clone();
+        let synced = Arc::clone(&self.synced);
+        let placement = self.config.placement;
+        crate::explain_route::ExplainSource {
+            client: self.client.clone(),
+            view: Arc::new(move |pod: &Pod| {
+                if !synced.load(std::sync::atomic::Ordering::Acquire) {
+                    return None;
+                }
+                let driverless = judge_driverless(&liveness);
+                let state = state.lock().unwrap_or_else(PoisonError::into_inner);
+                Some(state.explain(pod, &driverless, placement, Instant::now()))
+            }),
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, ExtenderState> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
