@@ -25,13 +25,6 @@ const EXCEPTIONS: &[(&str, &str, &str)] = &[
          Resizing/FileSystemResizeRequired Event; tests see each once",
     ),
     (
-        "pmem-csi-intel-com-controller",
-        "list core/persistentvolumes",
-        "csi-resizer's PV informer streams its initial list over a watch (sendInitialEvents) on \
-         1.37; it falls back to LIST on API servers without streaming lists (our 1.33+ support \
-         range)",
-    ),
-    (
         "pmem-csi-intel-com-node",
         "patch core/events",
         "client-go's event recorder (external-provisioner) patches the count of a repeated \

@@ -22,6 +22,7 @@ use crate::concern::{Concern, ConcernError, Elector};
 use crate::flags::{ClientBudget, FlagError, KubeApiArgs, LivenessArgs, duration};
 use crate::leader::LeaderMetrics;
 use crate::liveness_view::{LivenessSettings, LivenessView};
+use crate::node_loss::{NodeLossMetrics, NodeLossRecovery, NodeLossSettings};
 use crate::readiness::{Readiness, ReadyFlag};
 use crate::reconcile_metrics::ReconcileMetrics;
 use crate::rescheduler::{Rescheduler, ReschedulerMetrics};
@@ -62,6 +63,18 @@ pub struct ControllerArgs {
     #[arg(long, env = "POD_NAME")]
     pub pod_name: Option<String>,
 
+    /// Recover claims whose node has been lost this long (deleted, or its driver's heartbeat
+    /// expired while its kubelet is not Ready): those that opted in (annotation
+    /// pmem-csi.intel.com/recreate-on-node-loss=true on the claim or its StorageClass) are
+    /// deleted with their volume and the lost node's pods using them, others get an Event.
+    /// Off when unset; needs the RBAC of components/node-loss-recovery.
+    #[arg(long, value_parser = duration)]
+    pub node_loss_grace: Option<Duration>,
+
+    /// With --node-loss-grace: only report (Events, logs, metrics) what the recovery would do.
+    #[arg(long)]
+    pub node_loss_dry_run: bool,
+
     #[command(flatten)]
     #[allow(missing_docs)]
     pub kube_api: KubeApiArgs,
@@ -89,6 +102,8 @@ pub struct ControllerConfig {
     pub kube_api: ClientBudget,
     /// This replica's pod name, when known.
     pub pod_name: Option<String>,
+    /// The node-loss recovery, when enabled.
+    pub node_loss: Option<NodeLossSettings>,
 }
 
 impl ControllerConfig {
@@ -144,11 +159,29 @@ impl ControllerArgs {
         } else {
             None
         };
+        let node_loss = match (self.node_loss_grace, self.node_loss_dry_run) {
+            (None, false) => None,
+            (None, true) => {
+                return Err(FlagError::new(
+                    "node-loss-dry-run",
+                    "needs --node-loss-grace (the recovery it reports on)",
+                ));
+            }
+            // Recovery acts on what the rescheduler already gave up on: never before it.
+            (Some(grace), _) if grace < liveness.grace => {
+                return Err(FlagError::new(
+                    "node-loss-grace",
+                    "must not be shorter than --reschedule-grace",
+                ));
+            }
+            (Some(grace), dry_run) => Some(NodeLossSettings { grace, dry_run }),
+        };
         Ok(ControllerConfig {
             liveness,
             leader_election,
             kube_api: self.kube_api.budget(),
             pod_name: self.pod_name.clone(),
+            node_loss,
         })
     }
 }
@@ -175,6 +208,7 @@ pub struct ControllerProcess {
     rescheduler_metrics: ReschedulerMetrics,
     reconciles: ReconcileMetrics,
     leader_metrics: LeaderMetrics,
+    node_loss_metrics: Option<NodeLossMetrics>,
 }
 
 impl ControllerProcess {
@@ -219,7 +253,6 @@ impl ControllerProcess {
         };
         Ok(Self {
             concerns: Vec::new(),
-            config,
             client,
             election_client,
             stores,
@@ -229,6 +262,10 @@ impl ControllerProcess {
             rescheduler_metrics: ReschedulerMetrics::register(registry),
             reconciles: ReconcileMetrics::register(registry),
             leader_metrics: LeaderMetrics::register(registry),
+            node_loss_metrics: config
+                .node_loss
+                .map(|_| NodeLossMetrics::register(registry)),
+            config,
         })
     }
 
@@ -324,6 +361,7 @@ impl ControllerProcess {
             self.config.reporter(),
         );
         let claims = self.stores.claims.clone();
+        let liveness_for_recovery = liveness.clone();
         let Some(claim_events) = self.claim_events.take() else {
             return Err(ConcernError::Stopped("the shared claim watch".into()));
         };
@@ -337,6 +375,29 @@ impl ControllerProcess {
                 reconciles.clone(),
             )
         }));
+        if let (Some(settings), Some(metrics)) =
+            (self.config.node_loss, self.node_loss_metrics.clone())
+        {
+            let (client, stores, liveness, reconciles, reporter) = (
+                self.client.clone(),
+                self.stores.clone(),
+                liveness_for_recovery,
+                self.reconciles.clone(),
+                self.config.reporter(),
+            );
+            concerns.push(Concern::leader_only("node-loss-recovery", move |term| {
+                NodeLossRecovery {
+                    client: client.clone(),
+                    stores: stores.clone(),
+                    liveness: liveness.clone(),
+                    settings,
+                    reporter: reporter.clone(),
+                    metrics: metrics.clone(),
+                    reconciles: reconciles.clone(),
+                }
+                .run(term)
+            }));
+        }
         concerns.extend(added);
         let elector = self.config.leader_election.as_ref().map(|e| Elector {
             client: self.election_client.clone(),
@@ -436,8 +497,19 @@ mod tests {
 
     #[test]
     fn validate_table() {
-        let cases: [(&str, &[&str], Option<&str>); 4] = [
+        let cases: [(&str, &[&str], Option<&str>); 7] = [
             ("valid", &[], None),
+            ("node-loss recovery", &["--node-loss-grace", "1h"], None),
+            (
+                "dry run alone",
+                &["--node-loss-dry-run"],
+                Some("node-loss-dry-run"),
+            ),
+            (
+                "recovery before rescheduling",
+                &["--node-loss-grace", "10s"],
+                Some("node-loss-grace"),
+            ),
             (
                 "retry below the renew deadline",
                 &["--leader-election", "--leader-election-retry-period", "9s"],

@@ -40,6 +40,21 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     Ok(total)
 }
 
+/// Formats whole seconds the way the flags take them (`1h`, `1m30s`, `45s`; `0s`), so that
+/// messages quote a grace as the operator wrote it.
+pub fn format(duration: Duration) -> String {
+    let secs = duration.as_secs();
+    if secs == 0 {
+        return "0s".into();
+    }
+    let (h, m, s) = (secs / 3600, secs / 60 % 60, secs % 60);
+    [(h, "h"), (m, "m"), (s, "s")]
+        .iter()
+        .filter(|(n, _)| *n > 0)
+        .map(|(n, unit)| format!("{n}{unit}"))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -61,5 +76,15 @@ mod tests {
         ] {
             assert_eq!(parse_duration(text).map_err(|_| ()), want, "{text:?}");
         }
+    }
+
+    #[test]
+    fn format_round_trips() {
+        for text in ["1h", "1m30s", "45s", "2h0m5s", "0s"] {
+            let d = parse_duration(text).expect("parses");
+            assert_eq!(parse_duration(&format(d)), Ok(d), "{text}");
+        }
+        assert_eq!(format(Duration::from_secs(3600)), "1h");
+        assert_eq!(format(Duration::from_secs(3725)), "1h2m5s");
     }
 }

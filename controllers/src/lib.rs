@@ -18,6 +18,7 @@ pub mod liveness;
 pub mod liveness_view;
 pub mod logging;
 pub mod names;
+pub mod node_loss;
 pub mod node_selector;
 pub mod orphan_sweep;
 pub mod pod_volumes;

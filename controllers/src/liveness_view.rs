@@ -119,6 +119,22 @@ impl LivenessView {
         self.judge_quietly(node)
     }
 
+    /// Why and for how long `node` has looked driverless without a break (judging it now, as
+    /// [`LivenessView::judge`] does); `None` while the driver may run there.
+    pub fn driverless_for(&self, node: &str) -> Option<(liveness::DriverlessReason, Duration)> {
+        let reason = match self.judge(node) {
+            Liveness::MayRun => return None,
+            Liveness::Suspect { reason, .. } | Liveness::DefinitelyNotRunning(reason) => reason,
+        };
+        let since = self
+            .since
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(node)
+            .copied()?;
+        Some((reason, Instant::now().saturating_duration_since(since)))
+    }
+
     /// How many nodes the view keeps state for (every node that exists, plus names concerns
     /// asked about recently).
     pub fn tracked(&self) -> usize {

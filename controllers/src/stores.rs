@@ -46,8 +46,9 @@ pub fn trim<K: Resource + std::any::Any>(object: &mut K) {
     }
 }
 
-/// The claim annotations the rescheduler reads.
-const KEPT_CLAIM_ANNOTATIONS: [&str; 3] = [
+/// The claim annotations the rescheduler and the node-loss recovery read.
+const KEPT_CLAIM_ANNOTATIONS: [&str; 4] = [
+    crate::well_known::RECREATE_ON_NODE_LOSS,
     crate::well_known::SELECTED_NODE,
     crate::well_known::STORAGE_PROVISIONER,
     crate::well_known::BETA_STORAGE_PROVISIONER,

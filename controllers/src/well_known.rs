@@ -27,6 +27,17 @@ pub const MANAGED_BY_LABEL: &str = "csi.storage.k8s.io/managed-by";
 /// The label that opts a pod (or, through the webhook configuration, a namespace) out of the
 /// pod webhook, with value `ignore`. PMEM-CSI 1.0's name, whatever the driver is called.
 pub const WEBHOOK_OPT_OUT_LABEL: &str = "pmem-csi.intel.com/webhook";
+/// The annotation that opts a claim (or, on its StorageClass, every claim of the class) into
+/// node-loss recovery: with `"true"`, once the claim's node is lost for the controller's
+/// `--node-loss-grace`, the claim, its volume and the lost node's pods using it are deleted so
+/// that the workload's controller recreates them elsewhere with a new, empty volume. `"false"`
+/// on a claim opts it out of its class's opt-in. PMEM-CSI 1.0 had no such recovery; the prefix
+/// is its, whatever the driver is called, as for [`WEBHOOK_OPT_OUT_LABEL`].
+pub const RECREATE_ON_NODE_LOSS: &str = "pmem-csi.intel.com/recreate-on-node-loss";
+/// The finalizer external-provisioner puts on the PVs it provisions and removes once the
+/// volume is deleted (its `finalizerPVProtection`, from 3.x on); on a node that is gone nobody
+/// ever removes it.
+pub const PROVISIONER_FINALIZER: &str = "external-provisioner.volume.kubernetes.io/finalizer";
 /// A capacity annotation: bytes the driver manages on the node.
 pub const MANAGED_BYTES: &str = "managed-bytes";
 /// A capacity annotation: volume sizes are multiples of this.

@@ -8,11 +8,12 @@
 
 use controllers::test_objects::{self, claim_volume, runnable};
 use controllers::volume_facts::capacity_node;
-use controllers::well_known::DRIVER_LABEL;
+use controllers::well_known::{DRIVER_LABEL, PROVISIONER_FINALIZER};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use driver::csi::controller_client::ControllerClient;
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{
     Event, Namespace, PersistentVolume, PersistentVolumeClaim, Pod, Volume,
 };
@@ -72,9 +73,131 @@ fn api(what: impl Into<String>) -> impl FnOnce(kube::Error) -> E2eError {
     move |source| E2eError::Api { what, source }
 }
 
+/// A node that ran the driver, as the API server shows it: Node, CSINode, a heartbeat Lease
+/// renewed `renewed_ago` ago by a driver renewing every 10 s (as the DaemonSet's does), and its
+/// capacity object for [`CLASS`] (256 MiB free). Nothing runs there: deleting the Node loses
+/// it, a Lease renewed long ago is a driver that stopped.
+pub async fn driver_node(
+    client: &kube::Client,
+    node: &str,
+    renewed_ago: Duration,
+) -> Result<(), E2eError> {
+    let namespace = testenv::manifests::NAMESPACE;
+    NodeSpec::with_driver(node)
+        .create(client, DRIVER)
+        .await
+        .map_err(|e| E2eError::Cluster(e.to_string()))?;
+    let mut lease =
+        controllers::heartbeat::lease(DRIVER, node, namespace, Duration::from_secs(10), None);
+    if let Some(spec) = lease.spec.as_mut() {
+        let renewed = k8s_openapi::jiff::Timestamp::now()
+            - k8s_openapi::jiff::SignedDuration::try_from(renewed_ago).unwrap_or_default();
+        spec.renew_time = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(
+            renewed,
+        ));
+    }
+    Api::<Lease>::namespaced(client.clone(), namespace)
+        .create(&PostParams::default(), &lease)
+        .await
+        .map_err(api(format!("creating the heartbeat Lease of {node}")))?;
+    let free = 256 << 20;
+    Api::<CSIStorageCapacity>::namespaced(client.clone(), namespace)
+        .create(
+            &PostParams::default(),
+            &test_objects::published_capacity(namespace, DRIVER, node, CLASS, &[free], free),
+        )
+        .await
+        .map_err(api(format!("creating the capacity of {node}")))?;
+    Ok(())
+}
+
+/// A volume provisioned on `node` for `claim`: the claim created pre-bound to a PV pinned to
+/// the node (reclaim policy Delete, external-provisioner's finalizer), which the PV binder
+/// binds. Returns the PV's name.
+pub async fn volume_on(
+    client: &kube::Client,
+    node: &str,
+    mut claim: PersistentVolumeClaim,
+) -> Result<String, E2eError> {
+    let claim_namespace = claim.metadata.namespace.clone().unwrap_or_default();
+    let claim_name = claim.metadata.name.clone().unwrap_or_default();
+    let pv_name = format!("{claim_namespace}-{claim_name}");
+    let spec = claim.spec.get_or_insert_with(Default::default);
+    spec.volume_name = Some(pv_name.clone());
+    let class = spec.storage_class_name.clone();
+    let size = spec
+        .resources
+        .as_ref()
+        .and_then(|r| r.requests.as_ref())
+        .and_then(|r| r.get("storage").cloned());
+    let mut pv = test_objects::csi_volume(&pv_name, DRIVER, &pv_name, Some(node));
+    pv.metadata.finalizers = Some(vec![PROVISIONER_FINALIZER.to_string()]);
+    let pv_spec = pv.spec.get_or_insert_with(Default::default);
+    pv_spec.storage_class_name = class;
+    pv_spec.persistent_volume_reclaim_policy = Some("Delete".into());
+    if let Some(size) = size {
+        pv_spec.capacity = Some(BTreeMap::from([("storage".to_string(), size)]));
+    }
+    pv_spec.claim_ref = Some(k8s_openapi::api::core::v1::ObjectReference {
+        namespace: Some(claim_namespace.clone()),
+        name: Some(claim_name.clone()),
+        ..Default::default()
+    });
+    Api::<PersistentVolume>::all(client.clone())
+        .create(&PostParams::default(), &pv)
+        .await
+        .map_err(api(format!("creating PV {pv_name}")))?;
+    Api::<PersistentVolumeClaim>::namespaced(client.clone(), &claim_namespace)
+        .create(&PostParams::default(), &claim)
+        .await
+        .map_err(api(format!("creating claim {claim_name}")))?;
+    Ok(pv_name)
+}
+
+/// Names of this driver's capacity objects that describe `node`.
+pub async fn capacity_objects_of(
+    client: &kube::Client,
+    node: &str,
+) -> Result<Vec<String>, E2eError> {
+    let list = Api::<CSIStorageCapacity>::all(client.clone())
+        .list(&ListParams::default().labels(&format!("{DRIVER_LABEL}={DRIVER}")))
+        .await
+        .map_err(api("listing CSIStorageCapacity"))?;
+    Ok(list
+        .items
+        .into_iter()
+        .filter(|c| capacity_node(c, DRIVER).as_deref() == Some(node))
+        .filter_map(|c| c.metadata.name)
+        .collect())
+}
+
+/// Deletes node `node`'s Node and CSINode objects, as an operator removing a dead machine does
+/// (its Lease and capacity objects stay, as on a cluster).
+pub async fn delete_node(client: &kube::Client, node: &str) -> Result<(), E2eError> {
+    Api::<k8s_openapi::api::core::v1::Node>::all(client.clone())
+        .delete(node, &DeleteParams::default())
+        .await
+        .map_err(api(format!("deleting node {node}")))?;
+    Api::<k8s_openapi::api::storage::v1::CSINode>::all(client.clone())
+        .delete(node, &DeleteParams::default())
+        .await
+        .map_err(api(format!("deleting CSINode {node}")))?;
+    Ok(())
+}
+
+/// Deletes the heartbeat Lease of `node` (the end of a scenario that made one).
+pub async fn delete_lease(client: &kube::Client, node: &str) {
+    let _ = Api::<Lease>::namespaced(client.clone(), testenv::manifests::NAMESPACE)
+        .delete(
+            &controllers::well_known::heartbeat_lease_name(DRIVER, node),
+            &DeleteParams::default(),
+        )
+        .await;
+}
+
 /// The testenv the scenarios run on: the budgets above plus a driverless node, every piece of
-/// the scheduler-extender component (webhook, extender), the controller with short graces, and
-/// the simulated kubelet.
+/// the scheduler-extender component (webhook, extender), the controller with short graces (the
+/// node-loss recovery's included) but the shipped `--heartbeat-grace`, and the simulated kubelet.
 pub fn testenv_builder() -> TestEnvBuilder {
     let mut builder = TestEnv::builder();
     for (node, mib) in BUDGETS {
@@ -88,7 +211,8 @@ pub fn testenv_builder() -> TestEnvBuilder {
             ..Default::default()
         })
         .extender(["--reschedule-grace=2s"])
-        .controller(["--reschedule-grace=2s"])
+        .controller(["--reschedule-grace=2s", "--node-loss-grace=4s"])
+        .shipped_heartbeat()
         .kubelet()
 }
 

@@ -12,8 +12,15 @@ use e2e::{
     CLASS, CLASS_NO_ERASE, Cluster, DRIVER, MI, Scenario, WAIT, node_of, pinned_node, volume_handle,
 };
 use futures::future::join_all;
-use k8s_openapi::api::core::v1::Node;
+use std::time::Duration;
+
+use controllers::well_known::RECREATE_ON_NODE_LOSS;
+use k8s_openapi::api::apps::v1::{StatefulSet, StatefulSetSpec};
+use k8s_openapi::api::core::v1::{
+    Node, PersistentVolume, PersistentVolumeClaim, PodTemplateSpec, VolumeMount,
+};
 use k8s_openapi::api::storage::v1::{CSINode, CSIStorageCapacity, StorageClass};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use kube::Api;
 use kube::api::{DeleteParams, ListParams, PostParams};
 use testenv::wait::until;
@@ -676,4 +683,282 @@ async fn s12_mount_options() {
         .delete(&class, &DeleteParams::default())
         .await
         .expect("delete class");
+}
+
+/// The opt-in annotation of the node-loss recovery.
+fn opted_in(mut claim: PersistentVolumeClaim) -> PersistentVolumeClaim {
+    claim
+        .metadata
+        .annotations
+        .get_or_insert_with(Default::default)
+        .insert(RECREATE_ON_NODE_LOSS.into(), "true".into());
+    claim
+}
+
+/// Waits until PV `name` is gone.
+async fn pv_gone(c: &Cluster, name: &str) {
+    let pvs = Api::<PersistentVolume>::all(c.client.clone());
+    wait::wait_gone(&pvs, name, WAIT)
+        .await
+        .unwrap_or_else(|e| panic!("PV {name} gone: {e}"));
+}
+
+/// Waits until `node` has no capacity object of ours left.
+async fn capacity_withdrawn(c: &Cluster, node: &str) {
+    until(
+        "the node's capacity objects to be deleted",
+        WAIT,
+        || async {
+            let left = e2e::capacity_objects_of(&c.client, node)
+                .await
+                .map_err(|e| e.to_string())?;
+            left.is_empty().then_some(()).ok_or(format!("{left:?}"))
+        },
+    )
+    .await
+    .expect("capacity withdrawn");
+}
+
+/// 13. Recovery after a node is lost for good (testenv only: its controller recovers after
+/// 4 s instead of the component's hour): a StatefulSet whose claim opted in through its
+/// volumeClaimTemplate runs on a node that is then deleted and not replaced → the claim, the
+/// volume and the pod are deleted, the StatefulSet recreates claim and pod, and the pod runs
+/// on another node with a new volume; the lost node's capacity objects are gone.
+#[tokio::test]
+async fn s13_lost_node_opted_in_claim_starts_elsewhere() {
+    let c = cluster().await;
+    if c.env.is_none() {
+        eprintln!("skipped: needs testenv (the shipped node-loss grace is an hour)");
+        return;
+    }
+    let s = c.scenario("node-lost").await.expect("scenario");
+    let lost = format!("{}-lost", s.namespace);
+    e2e::driver_node(&c.client, &lost, Duration::ZERO)
+        .await
+        .expect("node");
+    let claim = opted_in(test_objects::claim(
+        &s.namespace,
+        "data-web-0",
+        CLASS_NO_ERASE,
+        "64Mi",
+    ));
+    let old_pv = e2e::volume_on(&c.client, &lost, claim.clone())
+        .await
+        .expect("volume");
+    let labels = BTreeMap::from([("app".to_string(), "web".to_string())]);
+    let mut pod = s.workload("web", vec![], &[]);
+    if let Some(container) = pod.spec.as_mut().and_then(|s| s.containers.first_mut()) {
+        container.volume_mounts = Some(vec![VolumeMount {
+            name: "data".into(),
+            mount_path: "/data".into(),
+            ..Default::default()
+        }]);
+    }
+    let template_claim = PersistentVolumeClaim {
+        metadata: ObjectMeta {
+            name: Some("data".into()),
+            annotations: claim.metadata.annotations.clone(),
+            ..Default::default()
+        },
+        spec: claim.spec.clone(),
+        ..Default::default()
+    };
+    let set = StatefulSet {
+        metadata: ObjectMeta {
+            name: Some("web".into()),
+            ..Default::default()
+        },
+        spec: Some(StatefulSetSpec {
+            replicas: Some(1),
+            service_name: Some("web".into()),
+            selector: LabelSelector {
+                match_labels: Some(labels.clone()),
+                ..Default::default()
+            },
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(labels),
+                    ..Default::default()
+                }),
+                spec: pod.spec,
+            },
+            volume_claim_templates: Some(vec![template_claim]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let sets = Api::<StatefulSet>::namespaced(c.client.clone(), &s.namespace);
+    sets.create(&PostParams::default(), &set)
+        .await
+        .expect("StatefulSet");
+    until(
+        "web-0 to be scheduled to the node of its volume",
+        WAIT,
+        || async {
+            let pod = s.pods.get("web-0").await.map_err(|e| e.to_string())?;
+            let node = pod.spec.and_then(|s| s.node_name);
+            (node.as_deref() == Some(lost.as_str()))
+                .then_some(())
+                .ok_or(format!("on {node:?}"))
+        },
+    )
+    .await
+    .expect("scheduled");
+
+    e2e::delete_node(&c.client, &lost)
+        .await
+        .expect("node deleted");
+    pv_gone(&c, &old_pv).await;
+    let running = until("web-0 to run on another node", WAIT, || async {
+        let pod = s.pods.get("web-0").await.map_err(|e| e.to_string())?;
+        let phase = pod.status.as_ref().and_then(|s| s.phase.clone());
+        if phase.as_deref() == Some("Running") && node_of(&pod) != lost {
+            Ok(pod)
+        } else {
+            Err(format!("phase {phase:?} on {}", node_of(&pod)))
+        }
+    })
+    .await
+    .expect("recreated elsewhere");
+    let new_pv = s.volume_of("data-web-0").await.expect("new volume");
+    assert_ne!(new_pv.metadata.name.as_deref(), Some(old_pv.as_str()));
+    assert_eq!(pinned_node(&new_pv), Some(node_of(&running)));
+    capacity_withdrawn(&c, &lost).await;
+    let recovered = s.events("NodeLossRecovery").await.expect("events");
+    assert!(
+        recovered
+            .iter()
+            .any(|e| e.starts_with("data-web-0:") && e.contains(&lost)),
+        "a NodeLossRecovery event for the claim: {recovered:?}"
+    );
+    sets.delete("web", &DeleteParams::default())
+        .await
+        .expect("delete StatefulSet");
+    wait::wait_gone(&s.pods, "web-0", WAIT)
+        .await
+        .expect("pod gone");
+    e2e::delete_lease(&c.client, &lost).await;
+    s.finish().await.expect("leak check");
+}
+
+/// 14. The same loss without the opt-in (testenv only, as 13): nothing is deleted, an Event on
+/// the claim says what an operator can do; once the operator deleted the pod and the claim, the
+/// recovery deletes the released volume nobody else can (its node is gone).
+#[tokio::test]
+async fn s14_lost_node_without_opt_in_is_reported_only() {
+    let c = cluster().await;
+    if c.env.is_none() {
+        eprintln!("skipped: needs testenv (the shipped node-loss grace is an hour)");
+        return;
+    }
+    let s = c.scenario("node-lost-kept").await.expect("scenario");
+    let lost = format!("{}-lost", s.namespace);
+    e2e::driver_node(&c.client, &lost, Duration::ZERO)
+        .await
+        .expect("node");
+    let claim = test_objects::claim(&s.namespace, "data", CLASS_NO_ERASE, "64Mi");
+    let pv = e2e::volume_on(&c.client, &lost, claim)
+        .await
+        .expect("volume");
+    let mut pod = s.workload("app", vec![claim_volume("data", "data")], &[]);
+    if let Some(spec) = pod.spec.as_mut() {
+        spec.node_name = Some(lost.clone());
+    }
+    s.pod(&pod).await.expect("pod");
+    e2e::delete_node(&c.client, &lost)
+        .await
+        .expect("node deleted");
+    let reported = until("a NodeLost event on the claim", WAIT, || async {
+        let events = s.events("NodeLost").await.map_err(|e| e.to_string())?;
+        events
+            .into_iter()
+            .find(|e| e.starts_with("data:"))
+            .ok_or("none yet".to_string())
+    })
+    .await
+    .expect("reported");
+    assert!(
+        reported.contains(RECREATE_ON_NODE_LOSS) && reported.contains(&lost),
+        "the event names the node and the opt-in: {reported}"
+    );
+    // Reported, and after further reconciles still untouched.
+    capacity_withdrawn(&c, &lost).await;
+    let kept = s.claims.get("data").await.expect("claim kept");
+    assert!(
+        kept.metadata.deletion_timestamp.is_none(),
+        "claim not deleted"
+    );
+    assert!(s.pods.get("app").await.is_ok(), "pod kept");
+    let volume = Api::<PersistentVolume>::all(c.client.clone())
+        .get(&pv)
+        .await
+        .expect("PV kept");
+    assert!(
+        volume.metadata.deletion_timestamp.is_none(),
+        "PV not deleted"
+    );
+
+    // What the event suggests: the operator deletes pod and claim; the PV follows.
+    s.pods
+        .delete("app", &DeleteParams::default().grace_period(0))
+        .await
+        .expect("force-delete the pod");
+    s.claims
+        .delete("data", &DeleteParams::default())
+        .await
+        .expect("delete the claim");
+    pv_gone(&c, &pv).await;
+    e2e::delete_lease(&c.client, &lost).await;
+    s.finish().await.expect("leak check");
+}
+
+/// 15. Heartbeat with the shipped flags: a node whose driver stopped renewing its Lease (here
+/// five minutes ago) while Node, labels and CSINode entry stay → its capacity objects are
+/// deleted and a claim waiting for it is rescheduled; its pod runs elsewhere.
+#[tokio::test]
+async fn s15_silent_driver_loses_capacity_and_waiting_claims() {
+    let c = cluster().await;
+    if let Some(env) = c.env {
+        let args = env
+            .manifests()
+            .launch(testenv::manifests::OurContainer::Controller)
+            .expect("the manifests' controller")
+            .args;
+        assert!(
+            args.iter().any(|a| a.starts_with("--heartbeat-grace=")),
+            "the shipped controller judges heartbeats: {args:?}"
+        );
+    }
+    let s = c.scenario("silent-driver").await.expect("scenario");
+    let silent = format!("{}-silent", s.namespace);
+    e2e::driver_node(&c.client, &silent, Duration::from_secs(300))
+        .await
+        .expect("node");
+    let claim = test_objects::selected_for(
+        test_objects::claim(&s.namespace, "data", CLASS_NO_ERASE, "64Mi"),
+        &silent,
+    );
+    s.claims
+        .create(&PostParams::default(), &claim)
+        .await
+        .expect("claim");
+    s.pod_using("app", "data").await.expect("pod");
+    capacity_withdrawn(&c, &silent).await;
+    let (running, _) = s
+        .running_with_volume("app", "data")
+        .await
+        .expect("running elsewhere");
+    assert_ne!(node_of(&running), silent);
+    let rescheduled = s.events("Rescheduled").await.expect("events");
+    assert!(
+        rescheduled
+            .iter()
+            .any(|e| e.starts_with("data:") && e.contains("heartbeat-expired")),
+        "rescheduled for the expired heartbeat: {rescheduled:?}"
+    );
+    e2e::delete_node(&c.client, &silent)
+        .await
+        .expect("node deleted");
+    e2e::delete_lease(&c.client, &silent).await;
+    s.finish().await.expect("leak check");
 }

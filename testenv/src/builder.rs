@@ -34,6 +34,7 @@ pub struct TestEnvBuilder {
     pub(crate) extender_env: Vec<(String, String)>,
     pub(crate) fault_proxy: bool,
     pub(crate) private_audit_log: bool,
+    pub(crate) shipped_heartbeat: bool,
 }
 
 impl Default for TestEnvBuilder {
@@ -51,6 +52,7 @@ impl Default for TestEnvBuilder {
             extender_env: Vec::new(),
             fault_proxy: false,
             private_audit_log: false,
+            shipped_heartbeat: false,
         }
     }
 }
@@ -94,6 +96,15 @@ impl TestEnvBuilder {
         if let Some(setup) = self.controller.as_mut() {
             setup.resizer = true;
         }
+        self
+    }
+
+    /// Runs every controller with the manifests' `--heartbeat-grace` (testenv removes it by
+    /// default: simulated nodes without a running driver have no heartbeat Lease, so most tests'
+    /// nodes would count as driverless). Its nodes must then all run their driver, or the test
+    /// must give them a Lease.
+    pub fn shipped_heartbeat(mut self) -> Self {
+        self.shipped_heartbeat = true;
         self
     }
 

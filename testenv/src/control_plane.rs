@@ -21,9 +21,10 @@ const READY_TIMEOUT: Duration = Duration::from_secs(120);
 const POLL: Duration = Duration::from_millis(200);
 
 /// The controllers kube-controller-manager runs: volume binding, protection finalizers, generic
-/// ephemeral volumes, garbage collection and namespace deletion. Never node-lifecycle: without
-/// kubelets it would mark every node NotReady and evict the pods.
-pub const KCM_CONTROLLERS: &str = "persistentvolume-binder-controller,ephemeral-volume-controller,persistentvolumeclaim-protection-controller,persistentvolume-protection-controller,garbage-collector-controller,namespace-controller";
+/// ephemeral volumes, garbage collection, namespace deletion, and StatefulSets (the workload
+/// the node-loss recovery is for). Never node-lifecycle: without kubelets it would mark every
+/// node NotReady and evict the pods.
+pub const KCM_CONTROLLERS: &str = "persistentvolume-binder-controller,ephemeral-volume-controller,persistentvolumeclaim-protection-controller,persistentvolume-protection-controller,garbage-collector-controller,namespace-controller,statefulset-controller";
 
 /// What can go wrong starting the control plane.
 #[derive(Debug, thiserror::Error)]

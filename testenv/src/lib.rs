@@ -108,6 +108,8 @@ pub struct TestEnv {
     dir: tempfile::TempDir,
     tools: Tools,
     driver_name: String,
+    /// Controllers keep the manifests' `--heartbeat-grace` ([`TestEnvBuilder::shipped_heartbeat`]).
+    shipped_heartbeat: bool,
     nodes: Vec<NodeSpec>,
     control_plane: Option<ControlPlane>,
     runtime: Handle,
@@ -118,7 +120,7 @@ pub struct TestEnv {
     kubelet: Option<kubelet::Kubelet>,
     /// `overlays/emulated` rendered.
     manifests_base: std::sync::Arc<manifests::Rendered>,
-    /// `overlays/emulated` with the scheduler-extender component rendered.
+    /// `overlays/emulated` with the scheduler-extender and node-loss-recovery components rendered.
     manifests: std::sync::Arc<manifests::Rendered>,
     /// Kubeconfigs of the manifests' ServiceAccounts.
     accounts: service_accounts::ServiceAccountKubeconfigs,

@@ -19,6 +19,9 @@ use serde_yaml::Value;
 pub const OVERLAY: &str = "manifests/overlays/emulated";
 /// The opt-in component with the webhook and the extender.
 pub const COMPONENT: &str = "manifests/components/scheduler-extender";
+/// The opt-in component of the node-loss recovery (rendered with [`COMPONENT`]: its controller
+/// runs with `--node-loss-grace=1h`, which tests shorten).
+pub const NODE_LOSS_COMPONENT: &str = "manifests/components/node-loss-recovery";
 /// The namespace the manifests install into.
 pub const NAMESPACE: &str = "pmem-csi";
 /// The ValidatingAdmissionPolicy (and its binding) that lets the node ServiceAccount write only
@@ -229,6 +232,7 @@ pub fn expand(arg: &str, env: &BTreeMap<String, String>) -> String {
 /// | `--admin-address`, `--extender-address`, `--webhook-address`, `--http-endpoint`, `--metrics-address` | ports: every process shares 127.0.0.1 |
 /// | `--kubeconfig` | the provisioner's credentials (ours read `KUBECONFIG`): a ServiceAccount token instead of in-cluster config |
 /// | `--timeout`, `--node-deployment-base-delay`, `--node-deployment-max-delay`, `--heartbeat-period` | short test values |
+/// | `--heartbeat-grace` (controller) | removed unless [`crate::TestEnvBuilder::shipped_heartbeat`]: simulated nodes without a running driver have no heartbeat Lease |
 ///
 /// Tests add their own short values (`--reschedule-grace`, `--heartbeat-grace`, certificate
 /// validity, `--placement`, `--score`, …) through the same map.
@@ -423,8 +427,9 @@ pub struct Rendered {
 }
 
 impl Rendered {
-    /// Renders `overlays/emulated`, with the component when `with_component`, using
-    /// `kubectl kustomize` (the component through a scratch kustomization under `scratch`).
+    /// Renders `overlays/emulated`, with both components ([`COMPONENT`],
+    /// [`NODE_LOSS_COMPONENT`]) when `with_component`, using `kubectl kustomize` (the
+    /// components through a scratch kustomization under `scratch`).
     pub fn render(
         kubectl: &Path,
         repo: &Path,
@@ -435,7 +440,11 @@ impl Rendered {
             return Self::from_yaml(&kustomize(kubectl, &repo.join(OVERLAY))?);
         }
         let dir = scratch.join("kustomize");
-        write_kustomization(&dir, &[repo.join(OVERLAY)], &[repo.join(COMPONENT)])?;
+        write_kustomization(
+            &dir,
+            &[repo.join(OVERLAY)],
+            &[repo.join(COMPONENT), repo.join(NODE_LOSS_COMPONENT)],
+        )?;
         Self::from_yaml(&kustomize(kubectl, &dir)?)
     }
 

@@ -36,6 +36,9 @@ impl TestEnv {
             // The manifests' socket is the pod's; a controller serves the resizer's endpoint
             // only where a test gives it one of its own (TestEnvBuilder::with_resizer).
             defaults = defaults.remove("--resizer-endpoint");
+            if !self.shipped_heartbeat {
+                defaults = defaults.remove("--heartbeat-grace");
+            }
         }
         let overrides = defaults.and(overrides);
         Ok(node_processes::container_process(

@@ -42,6 +42,7 @@ impl TestEnv {
             dir,
             tools,
             driver_name: builder.driver_name.clone(),
+            shipped_heartbeat: builder.shipped_heartbeat,
             nodes: builder.nodes.clone(),
             control_plane: Some(control_plane),
             runtime,
