@@ -479,6 +479,14 @@ impl Context {
         }
     }
 
+    /// Whether `key` was reported this term.
+    fn was_reported(&self, key: &str) -> bool {
+        self.reported
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains(key)
+    }
+
     /// Records `key` as reported; false when it already was this term.
     fn first_report(&self, key: &str) -> bool {
         self.reported
@@ -514,33 +522,34 @@ async fn recover(pv: &PersistentVolume, ctx: &Context) -> Result<Action, NodeLos
     };
     let grace = ctx.settings.grace;
     let check = check_every(grace);
-    // First from the caches (a Node in the cache counts as not Ready: its status is trimmed,
-    // and the uncached read below decides).
+    // First from the caches (the Node cache keeps its Ready condition).
     let cached_claim = ctx
         .stores
         .claims
         .get(&ObjectRef::<PersistentVolumeClaim>::new(&name).within(&namespace));
-    let kubelet = if ctx
-        .stores
-        .nodes
-        .get(&ObjectRef::<Node>::new(&node))
-        .is_some()
-    {
-        Kubelet::NotReady { for_: None }
-    } else {
-        Kubelet::NodeGone
-    };
+    let cached_node = ctx.stores.nodes.get(&ObjectRef::<Node>::new(&node));
+    let now = k8s_openapi::jiff::Timestamp::now();
     let driverless = ctx.liveness.driverless_for(&node);
     let cached = decide(
         &volume,
         ctx.claim_state(cached_claim.as_deref(), uid.as_deref()),
-        lost_for(driverless, kubelet),
+        lost_for(driverless, kubelet_of(cached_node.as_deref(), now)),
         grace,
     );
     match cached {
         Verdict::Ignore | Verdict::Done => return Ok(Action::await_change()),
         Verdict::Alive => return Ok(Action::requeue(check)),
         Verdict::Wait(left) => return Ok(Action::requeue(left.min(check))),
+        // Reported already: the uncached reads would only say so again, for every volume of a
+        // lost node every few seconds, as long as their claims stay.
+        Verdict::Report { .. } if reported(ctx, cached_claim.as_deref()) => {
+            return Ok(Action::requeue(check));
+        }
+        Verdict::Recover { .. } | Verdict::Release { .. }
+            if ctx.settings.dry_run && ctx.was_reported(&volume.name) =>
+        {
+            return Ok(Action::requeue(check));
+        }
         Verdict::Report { .. } | Verdict::Recover { .. } | Verdict::Release { .. } => {}
     }
     // Then from uncached reads, which must agree before anything is written.
@@ -560,7 +569,7 @@ async fn recover(pv: &PersistentVolume, ctx: &Context) -> Result<Action, NodeLos
         .map_err(err("reading the claim"))?;
     let lost = lost_for(
         confirmed.zip(driverless.map(|(_, d)| d)),
-        kubelet_of(fresh_node.as_ref(), k8s_openapi::jiff::Timestamp::now()),
+        kubelet_of(fresh_node.as_ref(), now),
     );
     let claim_state = ctx.claim_state(fresh_claim.as_ref(), uid.as_deref());
     let verdict = decide(&volume, claim_state, lost, grace);
@@ -701,6 +710,13 @@ async fn recover(pv: &PersistentVolume, ctx: &Context) -> Result<Action, NodeLos
             Ok(Action::requeue(check))
         }
     }
+}
+
+/// Whether `claim` (from the cache) was reported this term.
+fn reported(ctx: &Context, claim: Option<&PersistentVolumeClaim>) -> bool {
+    claim
+        .and_then(|c| c.metadata.uid.as_deref())
+        .is_some_and(|uid| ctx.was_reported(uid))
 }
 
 fn uid_or(claim: &PersistentVolumeClaim, fallback: &str) -> String {

@@ -6,7 +6,7 @@ use std::hash::Hash;
 
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Node, PersistentVolumeClaim};
+use k8s_openapi::api::core::v1::{Node, NodeCondition, NodeStatus, PersistentVolumeClaim};
 use k8s_openapi::api::storage::v1::{CSINode, StorageClass};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::reflector::{self, ReflectHandle, Store};
@@ -19,13 +19,29 @@ use tokio::task::JoinSet;
 const SUBSCRIBER_BUFFER: usize = 4096;
 
 /// Trims what a cache keeps of each object to what the concerns read: managedFields always;
-/// a Node's status (images, conditions, addresses: most of its bytes) and a claim's status,
-/// which nothing here reads. Memory grows with the cluster, so this matters at scale.
+/// a Node's status (images, conditions, addresses: most of its bytes) but for its Ready
+/// condition's status and last transition (the node-loss recovery's view of the kubelet), and a
+/// claim's status, which nothing here reads. Memory grows with the cluster, so this matters at
+/// scale.
 pub fn trim<K: Resource + std::any::Any>(object: &mut K) {
     object.meta_mut().managed_fields = None;
     let any: &mut dyn std::any::Any = object;
     if let Some(node) = any.downcast_mut::<Node>() {
-        node.status = None;
+        let ready = node
+            .status
+            .take()
+            .and_then(|s| s.conditions)
+            .and_then(|c| c.into_iter().find(|c| c.type_ == "Ready"))
+            .map(|c| NodeCondition {
+                type_: c.type_,
+                status: c.status,
+                last_transition_time: c.last_transition_time,
+                ..Default::default()
+            });
+        node.status = ready.map(|c| NodeStatus {
+            conditions: Some(vec![c]),
+            ..Default::default()
+        });
     } else if let Some(claim) = any.downcast_mut::<PersistentVolumeClaim>() {
         // The rescheduler reads the class, the bound volume, deletion, and three annotations.
         claim.status = None;
@@ -174,7 +190,7 @@ impl Stores {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::api::core::v1::{NodeStatus, PersistentVolumeClaimStatus};
+    use k8s_openapi::api::core::v1::PersistentVolumeClaimStatus;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
 
     #[test]
@@ -191,6 +207,31 @@ mod tests {
         };
         trim(&mut node);
         assert!(node.status.is_none() && node.metadata.managed_fields.is_none());
+        let condition = |type_: &str| NodeCondition {
+            type_: type_.into(),
+            status: "False".into(),
+            message: Some("a long message".into()),
+            reason: Some("KubeletNotReady".into()),
+            ..Default::default()
+        };
+        let mut reporting = Node {
+            status: Some(NodeStatus {
+                conditions: Some(vec![condition("MemoryPressure"), condition("Ready")]),
+                images: Some(vec![Default::default()]),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        trim(&mut reporting);
+        assert_eq!(
+            reporting.status.and_then(|s| s.conditions),
+            Some(vec![NodeCondition {
+                type_: "Ready".into(),
+                status: "False".into(),
+                ..Default::default()
+            }]),
+            "only the Ready condition's status stays"
+        );
         assert!(
             node.metadata.labels.is_some(),
             "labels are what the judgement reads"
