@@ -98,6 +98,12 @@ pub async fn gather(
     })
 }
 
+/// RFC 3339 with a fixed six-digit fraction, so that the strings sort as the instants do
+/// (core/v1 timestamps have whole seconds, events.k8s.io ones microseconds).
+fn stamp(t: &k8s_openapi::jiff::Timestamp) -> String {
+    format!("{t:.6}")
+}
+
 fn read(what: String) -> impl FnOnce(kube::Error) -> ExplainError {
     move |source| ExplainError::Read { what, source }
 }
@@ -204,9 +210,9 @@ async fn object_events(
         let last_seen = e
             .last_timestamp
             .as_ref()
-            .map(|t| t.0.to_string())
-            .or_else(|| e.event_time.as_ref().map(|t| t.0.to_string()))
-            .or_else(|| e.first_timestamp.as_ref().map(|t| t.0.to_string()));
+            .map(|t| stamp(&t.0))
+            .or_else(|| e.event_time.as_ref().map(|t| stamp(&t.0)))
+            .or_else(|| e.first_timestamp.as_ref().map(|t| stamp(&t.0)));
         let source = e
             .reporting_component
             .clone()
@@ -234,13 +240,9 @@ async fn object_events(
         }
         let series = e.series.as_ref();
         let last_seen = series
-            .map(|s| s.last_observed_time.0.to_string())
-            .or_else(|| e.event_time.as_ref().map(|t| t.0.to_string()))
-            .or_else(|| {
-                e.deprecated_last_timestamp
-                    .as_ref()
-                    .map(|t| t.0.to_string())
-            });
+            .map(|s| stamp(&s.last_observed_time.0))
+            .or_else(|| e.event_time.as_ref().map(|t| stamp(&t.0)))
+            .or_else(|| e.deprecated_last_timestamp.as_ref().map(|t| stamp(&t.0)));
         by_uid.insert(
             uid,
             EventFact {
