@@ -255,6 +255,59 @@ async fn pending_causes_and_a_running_pod() {
     .await;
     assert_eq!(e.volumes[0].state, VolumeState::Provisioning);
 
+    // A reservation the extender holds: a pod no scheduler picks up, filtered as kube-scheduler
+    // would filter it (reserve-all: held on every node where it fits).
+    let (route, _) = env.extender_addresses().expect("extender");
+    Api::<PersistentVolumeClaim>::namespaced(client.clone(), &ns)
+        .create(
+            &PostParams::default(),
+            &test_objects::claim(&ns, "held", CLASS, "100Mi"),
+        )
+        .await
+        .expect("claim");
+    let pods = Api::<Pod>::namespaced(client.clone(), &ns);
+    let mut held = test_objects::with_scheduler_resource(
+        test_objects::pod(
+            &ns,
+            "held-pod",
+            vec![test_objects::claim_volume("held", "held")],
+        ),
+        DRIVER,
+    );
+    if let Some(spec) = held.spec.as_mut() {
+        spec.scheduler_name = Some("nobody".into());
+    }
+    let held = pods
+        .create(&PostParams::default(), &held)
+        .await
+        .expect("pod");
+    let body = serde_json::json!({ "Pod": held, "NodeNames": ["node-1", "node-2"] }).to_string();
+    until("the extender to reserve", WAIT, || async {
+        let reply = testenv::http_client::http(route, "POST", "/filter", body.as_bytes()).await?;
+        (reply.status == 200 && reply.body.contains("node-1") && reply.body.contains("node-2"))
+            .then_some(())
+            .ok_or(reply.body)
+    })
+    .await
+    .expect("reserved");
+    let e = explain_pod(env, &client, &ns, "held-pod").await;
+    let reserved: Vec<(&str, u64)> = e
+        .extender
+        .reserved
+        .iter()
+        .map(|r| (r.node.as_str(), r.bytes))
+        .collect();
+    assert_eq!(reserved, [("node-1", 100 << 20), ("node-2", 100 << 20)]);
+    let text = explain::render::render(&e);
+    assert!(
+        text.contains("it holds a reservation for this pod")
+            && text.contains("100.0MiB on node-1, 100.0MiB on node-2"),
+        "{text}"
+    );
+    pods.delete("held-pod", &Default::default())
+        .await
+        .expect("delete");
+
     // A Running pod: where its volume is.
     create(&client, &ns, "runs", &[("runs", CLASS, "100Mi")]).await;
     let e = explained_until(env, &client, &ns, "runs", "Running", |e| {
@@ -409,20 +462,13 @@ async fn transcript_of_the_binary_and_the_kubectl_plugin() {
     );
 
     // The route names a bad parameter.
-    let status = run(
-        env,
-        Path::new("curl"),
-        &[
-            "-s",
-            "-o",
-            "/dev/null",
-            "-w",
-            "%{http_code}",
-            &format!("{extender}/explain?namespace={ns}"),
-        ],
-        None,
+    let reply = testenv::http_client::http(admin, "GET", &format!("/explain?namespace={ns}"), b"")
+        .await
+        .expect("answer");
+    assert_eq!(
+        (reply.status, reply.body.trim()),
+        (400, "query parameter \"pod\" is required")
     );
-    assert_eq!(status, "400");
 
     let file = env.dir().join("explain-transcript.txt");
     std::fs::write(&file, &transcript).expect("transcript");
