@@ -16,6 +16,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::ListParams;
 
+use crate::json_response::json;
 use crate::pod_view::PodView;
 
 /// The query parameters `/explain` takes.
@@ -129,15 +130,7 @@ async fn explain(
     Query(query): Query<BTreeMap<String, String>>,
 ) -> Response {
     match view(&source, &query).await {
-        Ok(view) => match serde_json::to_vec(&view) {
-            Ok(body) => (
-                StatusCode::OK,
-                [(axum::http::header::CONTENT_TYPE, "application/json")],
-                body,
-            )
-                .into_response(),
-            Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
-        },
+        Ok(view) => json(&view),
         Err(e) => e.into_response(),
     }
 }

@@ -9,6 +9,7 @@ pub mod api;
 pub mod capacity_index;
 pub mod explain_route;
 pub mod fit;
+pub mod json_response;
 pub mod metrics;
 pub mod node_table;
 pub mod placement;

@@ -32,6 +32,7 @@ use controllers::liveness_view::{LivenessSettings, LivenessView};
 use controllers::readiness::{Readiness, ReadyFlag};
 use controllers::stores::NodeStores;
 
+use crate::json_response::json;
 use crate::metrics::{ExtenderMetrics, ReservationEvent};
 use crate::placement::{ExtenderState, Placement};
 use crate::reservation_journal::{ReservationJournal, ReservedRecord};
@@ -464,18 +465,6 @@ fn router(shared: Shared) -> Router {
 /// A decoded request failed validation: 400 with the message.
 fn bad_request(message: String) -> Response {
     (StatusCode::BAD_REQUEST, message).into_response()
-}
-
-fn json(value: &impl serde::Serialize) -> Response {
-    match serde_json::to_vec(value) {
-        Ok(body) => (
-            StatusCode::OK,
-            [(axum::http::header::CONTENT_TYPE, "application/json")],
-            body,
-        )
-            .into_response(),
-        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
-    }
 }
 
 /// Reads the background judgement (DESIGN.md §4: the extender never observes on the request
