@@ -60,6 +60,28 @@ async fn cluster() -> (&'static TestEnv, kube::Client) {
             .create(&client, DRIVER)
             .await
             .expect("node-4");
+        // As a driver that has just started: its heartbeat is fresh, nothing published yet.
+        let mut lease = k8s_openapi::api::coordination::v1::Lease::default();
+        lease.metadata.name = Some(controllers::well_known::heartbeat_lease_name(
+            DRIVER, "node-4",
+        ));
+        lease.spec = Some(k8s_openapi::api::coordination::v1::LeaseSpec {
+            holder_identity: Some("node-4".into()),
+            lease_duration_seconds: Some(3600),
+            renew_time: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(
+                k8s_openapi::jiff::Timestamp::now(),
+            )),
+            ..Default::default()
+        });
+        Api::<k8s_openapi::api::coordination::v1::Lease>::namespaced(client.clone(), "pmem-csi")
+            .create(&PostParams::default(), &lease)
+            .await
+            .expect("node-4's heartbeat");
+        // A node whose driver never renewed a heartbeat (crash-looping, or not installed).
+        NodeSpec::custom("node-5", true, true)
+            .create(&client, DRIVER)
+            .await
+            .expect("node-5");
     }
     // Both running nodes publish for our class before any case starts.
     until("node-1 and node-2 to publish", WAIT, || async {
@@ -94,7 +116,7 @@ fn config(env: &TestEnv, pod: &str) -> ExplainConfig {
         driver_namespace: "pmem-csi".into(),
         node_selector: controllers::node_selector::NodeSelector::parse("storage=pmem")
             .expect("selector"),
-        heartbeat_grace: None,
+        heartbeat_grace: Some(Duration::from_secs(60)),
         default_volume_size: 1 << 30,
     }
 }
@@ -227,6 +249,35 @@ async fn pending_causes_and_a_running_pod() {
             &e,
             |f| matches!(f, Finding::SelectedNodeWithoutDriver { node, reason, .. }
             if node == "node-3" && reason == "not-selected-no-csinode-entry")
+        ),
+        "{e:#?}"
+    );
+
+    // The same for a node whose heartbeat is not renewed.
+    let silent =
+        test_objects::selected_for(test_objects::claim(&ns, "silent", CLASS, "100Mi"), "node-5");
+    Api::<PersistentVolumeClaim>::namespaced(client.clone(), &ns)
+        .create(&PostParams::default(), &silent)
+        .await
+        .expect("claim");
+    let pod = test_objects::with_scheduler_resource(
+        test_objects::pod(
+            &ns,
+            "silent-pod",
+            vec![test_objects::claim_volume("data", "silent")],
+        ),
+        DRIVER,
+    );
+    Api::<Pod>::namespaced(client.clone(), &ns)
+        .create(&PostParams::default(), &pod)
+        .await
+        .expect("pod");
+    let e = explain_pod(env, &client, &ns, "silent-pod").await;
+    assert!(
+        has(
+            &e,
+            |f| matches!(f, Finding::SelectedNodeWithoutDriver { node, reason, .. }
+            if node == "node-5" && reason == "heartbeat-expired")
         ),
         "{e:#?}"
     );
@@ -426,6 +477,11 @@ async fn transcript_of_the_binary_and_the_kubectl_plugin() {
         "{runs}"
     );
     assert!(runs.contains("Extender: not installed"), "{runs}");
+    assert_eq!(
+        runs.lines().filter(|l| l.starts_with("  node-")).count(),
+        1,
+        "only the pod's node: {runs}"
+    );
 
     let args = [
         "explain",

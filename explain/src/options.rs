@@ -42,9 +42,14 @@ pub struct ExplainArgs {
     #[arg(long, default_value = "storage=pmem", value_parser = flags::node_selector)]
     pub node_selector: NodeSelector,
 
-    /// Judge heartbeat Leases as the controller's `--heartbeat-grace` does (off by default).
-    #[arg(long, value_parser = flags::duration)]
-    pub heartbeat_grace: Option<Duration>,
+    /// Judge the nodes' heartbeat Leases as the controller's `--heartbeat-grace` does (the
+    /// shipped controller's value by default).
+    #[arg(long, default_value = "1m", value_parser = flags::duration)]
+    pub heartbeat_grace: Duration,
+
+    /// Do not read heartbeat Leases (as a controller without `--heartbeat-grace`).
+    #[arg(long)]
+    pub ignore_heartbeats: bool,
 
     /// The size assumed for a volume that states none (the driver's `--default-volume-size`).
     #[arg(long, default_value = "1Gi", value_parser = flags::bytes)]
@@ -111,7 +116,7 @@ impl ExplainArgs {
             driver: self.driver_name.clone(),
             driver_namespace: self.driver_namespace.clone(),
             node_selector: self.node_selector.clone(),
-            heartbeat_grace: self.heartbeat_grace,
+            heartbeat_grace: (!self.ignore_heartbeats).then_some(self.heartbeat_grace),
             default_volume_size: self.default_volume_size,
         })
     }

@@ -209,12 +209,14 @@ fn volume_line(v: &VolumeReport) -> String {
     line
 }
 
-/// Nodes without the driver and without anything of the pod are noise.
+/// Once the pod is scheduled only its node and its volumes' nodes matter; before, every node
+/// that could take it, and those holding something of it.
 fn worth_showing(e: &Explanation, n: &NodeReport) -> bool {
-    n.driver_running
-        || !n.volumes.is_empty()
-        || n.reserved_for_pod.is_some()
-        || (e.node.is_none() && !n.published_classes.is_empty())
+    let holds = !n.volumes.is_empty() || n.reserved_for_pod.is_some();
+    match &e.node {
+        Some(node) => holds || node == &n.node,
+        None => holds || n.driver_running || !n.published_classes.is_empty(),
+    }
 }
 
 fn node_line(n: &NodeReport) -> String {
