@@ -6,6 +6,8 @@ set shell := ["bash", "-euo", "pipefail", "-c"]
 export PMEM_CSI_TOOLS_DIR := `bash tools/build.sh --print-dir`
 # Prometheus, promtool, shellcheck (Debian) and tsc with Grafana's schema (npm).
 export PMEM_CSI_OPS_TOOLS_DIR := `bash tools/ops-tools.sh --print-dir`
+# helm, for the chart's lint and render tests (tests/helm_chart.rs).
+export PMEM_CSI_HELM_DIR := `bash tools/helm.sh --print-dir`
 target_dir := env_var_or_default("CARGO_TARGET_DIR", justfile_directory() / "target")
 
 default:
@@ -16,9 +18,11 @@ default:
 ensure:
     bash tools/ensure.sh
 
-# Build the pinned Kubernetes tools and fetch the ops tools into the per-machine cache (no-op when present).
+# Build the pinned Kubernetes tools and helm, and fetch the ops tools into the per-machine cache
+# (no-op when present).
 tools: ensure
     bash tools/build.sh
+    bash tools/helm.sh
     bash tools/ops-tools.sh
 
 # What real nodes need beside the control plane (not yet used by `just test`): kubelet, containerd

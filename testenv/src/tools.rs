@@ -127,6 +127,24 @@ pub fn ops_tools_dir() -> PathBuf {
         .unwrap_or_default()
 }
 
+/// The helm binary of `tools/helm.sh`: under `PMEM_CSI_HELM_DIR`, else under what the script
+/// prints (a path that does not exist when it cannot run).
+pub fn helm() -> PathBuf {
+    let dir = match std::env::var_os("PMEM_CSI_HELM_DIR") {
+        Some(dir) => PathBuf::from(dir),
+        None => {
+            let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tools/helm.sh");
+            std::process::Command::new("bash")
+                .arg(script)
+                .arg("--print-dir")
+                .output()
+                .map(|out| PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+                .unwrap_or_default()
+        }
+    };
+    dir.join("helm")
+}
+
 /// Test executables live in `target/<profile>/deps`, binaries in `target/<profile>`.
 fn own_binary_beside_current_exe() -> PathBuf {
     let exe = std::env::current_exe().unwrap_or_default();
