@@ -1037,6 +1037,92 @@ mod tests {
     }
 
     #[test]
+    fn ephemeral_and_inline_volumes_count_before_their_claims_exist() {
+        use controllers::test_objects::{generic_ephemeral_volume, inline_volume};
+        let mut f = facts(vec![], &[("n1", &[GI])]);
+        f.pod = pod(
+            NAMESPACE,
+            "p",
+            vec![
+                generic_ephemeral_volume("scratch", CLASS, "2Gi"),
+                inline_volume("fast", DRIVER, Some("512Mi"), None),
+                inline_volume("other", "other.driver", Some("1Gi"), None),
+            ],
+        );
+        let e = explain(&f);
+        let states: Vec<(&str, &str, VolumeState, Option<&str>)> = e
+            .volumes
+            .iter()
+            .map(|v| {
+                (
+                    v.volume.as_str(),
+                    v.kind.as_str(),
+                    v.state,
+                    v.claim.as_deref(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            states,
+            [
+                (
+                    "scratch",
+                    "ephemeral",
+                    VolumeState::ClaimMissing,
+                    Some("ns/p-scratch")
+                ),
+                ("fast", "inline", VolumeState::Inline, None),
+                ("other", "inline", VolumeState::NotOurs, None),
+            ]
+        );
+        assert_eq!(
+            e.findings,
+            [Finding::NoNodeWithRoom {
+                volumes: vec!["scratch".into()],
+                bytes: 2 * GI,
+                largest_pool: GI,
+            }]
+        );
+        let alone: Vec<(&str, bool)> = e.nodes[0]
+            .alone
+            .iter()
+            .map(|a| (a.volume.as_str(), a.fits))
+            .collect();
+        assert_eq!(alone, [("scratch", false), ("fast", true)]);
+    }
+
+    #[test]
+    fn the_extender_report_says_what_it_holds_or_why_it_is_silent() {
+        use extender::pod_view::{ReservationView, ReservedOn};
+        let mut f = facts(vec![pvc("data", "1Gi")], &[("n1", &[2 * GI])]);
+        f.extender = ExtenderFacts::View(Box::new(PodView {
+            placement: "reserve-all".into(),
+            reservation: Some(ReservationView {
+                age_seconds: 3,
+                nodes: vec![ReservedOn {
+                    node: "n1".into(),
+                    bytes: GI,
+                }],
+                entries: Vec::new(),
+            }),
+            ..Default::default()
+        }));
+        let e = explain(&f);
+        assert_eq!(e.nodes[0].reserved_for_pod, Some(GI));
+        let text = crate::render::render(&e);
+        assert!(
+            text.contains("Extender: answered; it holds a reservation for this pod (made 3s ago): 1.0GiB on n1."),
+            "{text}"
+        );
+        f.extender = ExtenderFacts::Unreachable("GET …: connection refused".into());
+        let text = crate::render::render(&explain(&f));
+        assert!(
+            text.contains("Extender: not reachable (GET …: connection refused); the rest of this explanation does without its view."),
+            "{text}"
+        );
+    }
+
+    #[test]
     fn json_field_names_are_stable() {
         let e = explain(&facts(vec![pvc("data", "2Gi")], &[("n1", &[GI])]));
         let json = serde_json::to_value(&e).expect("serializes");
