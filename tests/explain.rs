@@ -130,19 +130,30 @@ async fn explain_pod(env: &TestEnv, client: &kube::Client, ns: &str, pod: &str) 
 
 /// Creates claims `(name, class, size)` and a pod using them, routed through the extender.
 async fn create(client: &kube::Client, ns: &str, pod: &str, claims: &[(&str, &str, &str)]) {
-    let api = Api::<PersistentVolumeClaim>::namespaced(client.clone(), ns);
-    for (name, class, size) in claims {
-        api.create(
-            &PostParams::default(),
-            &test_objects::claim(ns, name, class, size),
-        )
-        .await
-        .expect("claim");
-    }
-    let volumes = claims
+    let objects = claims
         .iter()
-        .map(|(c, ..)| test_objects::claim_volume(c, c))
+        .map(|(name, class, size)| test_objects::claim(ns, name, class, size))
         .collect();
+    create_with(client, ns, pod, objects).await;
+}
+
+/// Creates `claims` and a pod using them (each as a volume named after it), routed through the
+/// extender.
+async fn create_with(
+    client: &kube::Client,
+    ns: &str,
+    pod: &str,
+    claims: Vec<PersistentVolumeClaim>,
+) {
+    let api = Api::<PersistentVolumeClaim>::namespaced(client.clone(), ns);
+    let mut volumes = Vec::new();
+    for claim in claims {
+        let name = claim.metadata.name.clone().unwrap_or_default();
+        api.create(&PostParams::default(), &claim)
+            .await
+            .expect("claim");
+        volumes.push(test_objects::claim_volume(&name, &name));
+    }
     let object = test_objects::with_scheduler_resource(test_objects::pod(ns, pod, volumes), DRIVER);
     Api::<Pod>::namespaced(client.clone(), ns)
         .create(&PostParams::default(), &object)
@@ -226,61 +237,26 @@ async fn pending_causes_and_a_running_pod() {
         (true, Some(false))
     );
 
-    // (3) A claim whose selected node has no driver.
-    let stuck =
-        test_objects::selected_for(test_objects::claim(&ns, "stuck", CLASS, "100Mi"), "node-3");
-    Api::<PersistentVolumeClaim>::namespaced(client.clone(), &ns)
-        .create(&PostParams::default(), &stuck)
-        .await
-        .expect("claim");
-    let mut pod = test_objects::pod(
-        &ns,
-        "stuck-pod",
-        vec![test_objects::claim_volume("data", "stuck")],
-    );
-    pod = test_objects::with_scheduler_resource(pod, DRIVER);
-    Api::<Pod>::namespaced(client.clone(), &ns)
-        .create(&PostParams::default(), &pod)
-        .await
-        .expect("pod");
-    let e = explain_pod(env, &client, &ns, "stuck-pod").await;
-    assert!(
-        has(
-            &e,
-            |f| matches!(f, Finding::SelectedNodeWithoutDriver { node, reason, .. }
-            if node == "node-3" && reason == "not-selected-no-csinode-entry")
-        ),
-        "{e:#?}"
-    );
-
-    // The same for a node whose heartbeat is not renewed.
-    let silent =
-        test_objects::selected_for(test_objects::claim(&ns, "silent", CLASS, "100Mi"), "node-5");
-    Api::<PersistentVolumeClaim>::namespaced(client.clone(), &ns)
-        .create(&PostParams::default(), &silent)
-        .await
-        .expect("claim");
-    let pod = test_objects::with_scheduler_resource(
-        test_objects::pod(
-            &ns,
-            "silent-pod",
-            vec![test_objects::claim_volume("data", "silent")],
-        ),
-        DRIVER,
-    );
-    Api::<Pod>::namespaced(client.clone(), &ns)
-        .create(&PostParams::default(), &pod)
-        .await
-        .expect("pod");
-    let e = explain_pod(env, &client, &ns, "silent-pod").await;
-    assert!(
-        has(
-            &e,
-            |f| matches!(f, Finding::SelectedNodeWithoutDriver { node, reason, .. }
-            if node == "node-5" && reason == "heartbeat-expired")
-        ),
-        "{e:#?}"
-    );
+    // (3) A claim whose selected node has no driver: not meant for it, or its heartbeat is not
+    // renewed.
+    for (node, reason) in [
+        ("node-3", "not-selected-no-csinode-entry"),
+        ("node-5", "heartbeat-expired"),
+    ] {
+        let claim = format!("on-{node}");
+        let selected =
+            test_objects::selected_for(test_objects::claim(&ns, &claim, CLASS, "100Mi"), node);
+        create_with(&client, &ns, &claim, vec![selected]).await;
+        let e = explain_pod(env, &client, &ns, &claim).await;
+        assert!(
+            has(
+                &e,
+                |f| matches!(f, Finding::SelectedNodeWithoutDriver { node: n, reason: r, .. }
+                if n == node && r == reason)
+            ),
+            "{e:#?}"
+        );
+    }
 
     // (4) A node meant for the driver that has not published: node-4 is labelled and
     // registered, but no driver process publishes for it.
