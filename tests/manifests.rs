@@ -49,19 +49,16 @@ fn every_kustomization_renders_and_the_api_server_accepts_it() {
             "overlays/emulated + component",
             with_component(scratch.path(), "emulated-ext", manifests::OVERLAY),
         ),
-        (
-            "overlays/lvm + node-loss-recovery",
-            {
-                let dir = scratch.path().join("lvm-node-loss");
-                manifests::write_kustomization(
-                    &dir,
-                    &[repo().join("manifests/overlays/lvm")],
-                    &[repo().join(manifests::NODE_LOSS_COMPONENT)],
-                )
-                .expect("kustomization");
-                dir
-            },
-        ),
+        ("overlays/lvm + node-loss-recovery", {
+            let dir = scratch.path().join("lvm-node-loss");
+            manifests::write_kustomization(
+                &dir,
+                &[repo().join("manifests/overlays/lvm")],
+                &[repo().join(manifests::NODE_LOSS_COMPONENT)],
+            )
+            .expect("kustomization");
+            dir
+        }),
         ("overlays/lvm", repo().join("manifests/overlays/lvm")),
         ("overlays/direct", repo().join("manifests/overlays/direct")),
         (

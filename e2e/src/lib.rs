@@ -154,17 +154,22 @@ pub async fn volume_on(
     Ok(pv_name)
 }
 
+/// This driver's capacity objects, in every namespace.
+async fn capacity_objects(client: &kube::Client) -> Result<Vec<CSIStorageCapacity>, E2eError> {
+    Ok(Api::<CSIStorageCapacity>::all(client.clone())
+        .list(&ListParams::default().labels(&format!("{DRIVER_LABEL}={DRIVER}")))
+        .await
+        .map_err(api("listing CSIStorageCapacity"))?
+        .items)
+}
+
 /// Names of this driver's capacity objects that describe `node`.
 pub async fn capacity_objects_of(
     client: &kube::Client,
     node: &str,
 ) -> Result<Vec<String>, E2eError> {
-    let list = Api::<CSIStorageCapacity>::all(client.clone())
-        .list(&ListParams::default().labels(&format!("{DRIVER_LABEL}={DRIVER}")))
-        .await
-        .map_err(api("listing CSIStorageCapacity"))?;
-    Ok(list
-        .items
+    Ok(capacity_objects(client)
+        .await?
         .into_iter()
         .filter(|c| capacity_node(c, DRIVER).as_deref() == Some(node))
         .filter_map(|c| c.metadata.name)
@@ -248,12 +253,8 @@ impl Cluster {
 
     /// Free bytes per node for [`CLASS`], from the CSIStorageCapacity objects of our driver.
     pub async fn capacity(&self) -> Result<BTreeMap<String, i64>, E2eError> {
-        let list = Api::<CSIStorageCapacity>::all(self.client.clone())
-            .list(&ListParams::default().labels(&format!("{DRIVER_LABEL}={DRIVER}")))
-            .await
-            .map_err(api("listing CSIStorageCapacity"))?;
-        Ok(list
-            .items
+        Ok(capacity_objects(&self.client)
+            .await?
             .into_iter()
             .filter(|c| c.storage_class_name == CLASS)
             .filter_map(|c| {

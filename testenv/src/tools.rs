@@ -115,34 +115,30 @@ impl Tools {
 /// The directory of `tools/ops-tools.sh` (Prometheus, promtool, shellcheck, tsc):
 /// `PMEM_CSI_OPS_TOOLS_DIR`, else what the script prints (empty when it cannot run).
 pub fn ops_tools_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("PMEM_CSI_OPS_TOOLS_DIR") {
+    cached_tool_dir("PMEM_CSI_OPS_TOOLS_DIR", "ops-tools.sh")
+}
+
+/// The helm binary of `tools/helm.sh`: under `PMEM_CSI_HELM_DIR`, else under what the script
+/// prints (a path that does not exist when it cannot run).
+pub fn helm() -> PathBuf {
+    cached_tool_dir("PMEM_CSI_HELM_DIR", "helm.sh").join("helm")
+}
+
+/// The cache directory of a `tools/<script>` that takes `--print-dir`: `variable` when set (the
+/// justfile exports them), else what the script prints (empty when it cannot run).
+fn cached_tool_dir(variable: &str, script: &str) -> PathBuf {
+    if let Some(dir) = std::env::var_os(variable) {
         return PathBuf::from(dir);
     }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tools/ops-tools.sh");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tools")
+        .join(script);
     std::process::Command::new("bash")
         .arg(script)
         .arg("--print-dir")
         .output()
         .map(|out| PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
         .unwrap_or_default()
-}
-
-/// The helm binary of `tools/helm.sh`: under `PMEM_CSI_HELM_DIR`, else under what the script
-/// prints (a path that does not exist when it cannot run).
-pub fn helm() -> PathBuf {
-    let dir = match std::env::var_os("PMEM_CSI_HELM_DIR") {
-        Some(dir) => PathBuf::from(dir),
-        None => {
-            let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tools/helm.sh");
-            std::process::Command::new("bash")
-                .arg(script)
-                .arg("--print-dir")
-                .output()
-                .map(|out| PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
-                .unwrap_or_default()
-        }
-    };
-    dir.join("helm")
 }
 
 /// Test executables live in `target/<profile>/deps`, binaries in `target/<profile>`.
