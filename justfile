@@ -42,12 +42,15 @@ real-nodes-smoke: node-tools
 # scheduler-extender component (only images: overridden), every rollout, `verify` (CSINode
 # through kubelet's plugin watcher, webhook, extender, a claim written and read back by busybox
 # pods, raw block, inline and generic ephemeral volumes, clean-up), then the e2e scenarios in
-# cluster mode as kind runs them (tools/cluster-e2e.sh); everything removed at the end.
+# cluster mode as kind runs them (tools/cluster-e2e.sh), then the Helm chart in place of the
+# kustomize install with a second instance beside it (tools/real-nodes.sh chart); everything
+# removed at the end.
 e2e-node: node-tools image-oci
     cargo build -p testenv --bin registrar
     cargo test -p e2e --test scenarios --no-run
     bash tools/real-nodes.sh images
-    rc=0; { bash tools/real-nodes.sh start && bash tools/real-nodes.sh smoke && bash tools/real-nodes.sh deploy && bash tools/real-nodes.sh verify && bash tools/real-nodes.sh scenarios; } || rc=$?; bash tools/real-nodes.sh stop || rc=1; exit $rc
+    bash tools/helm.sh
+    rc=0; { bash tools/real-nodes.sh start && bash tools/real-nodes.sh smoke && bash tools/real-nodes.sh deploy && bash tools/real-nodes.sh verify && bash tools/real-nodes.sh scenarios && bash tools/real-nodes.sh chart; } || rc=$?; bash tools/real-nodes.sh stop || rc=1; exit $rc
 
 # Rebuild the tools from empty Go caches and print per-tool times.
 tools-cold:

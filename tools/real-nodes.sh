@@ -18,8 +18,8 @@
 #            Pod network: CNI bridge cni0 in the node netns, pods in 10.214.N.0/24; the host routes
 #            10.214.N.0/24 via the node IP so the apiserver reaches pod IPs.
 #
-# usage: tools/real-nodes.sh images | start | smoke | deploy | verify | scenarios | status | stop |
-#                            leftovers
+# usage: tools/real-nodes.sh images | start | smoke | deploy | verify | scenarios | chart | status |
+#                            stop | leftovers
 #   images     the sidecar images as OCI archives (csi-provisioner from its static binary, the test
 #              registrar of testenv with node-driver-registrar's flags), beside `just image-oci`'s
 #   start      build PKI, start control plane and both nodes, wait until the nodes are Ready
@@ -41,6 +41,10 @@
 #              and generic ephemeral volumes work, and deleting it all leaves no PV and no volume
 #   scenarios  the e2e crate in cluster mode against this cluster (tools/cluster-e2e.sh, as kind
 #              runs it), then no volume left on any node
+#   chart      remove the kustomize install (nothing may stay), `helm install` charts/pmem-csi with
+#              the extender (only images set), `verify` again, a second instance (own driver name,
+#              namespace, classes) provisioning beside it without touching the first, then both
+#              uninstalled (with their namespaces) leaving nothing of ours
 #   status     show processes, nodes, pods
 #   stop       remove everything: processes, mounts, netns, links, routes, cgroups, files under
 #              /run, then fail if anything is left (the same check as `leftovers`)
@@ -80,7 +84,9 @@ netns_name()  { echo "realnode-$1"; }
 mntns_file()  { echo "$RUNDIR/$1.mnt"; }
 # Per-node bind mounts inside each node's mount namespace (mount points created on the host if
 # missing, and removed again by stop).
-NODE_DIRS=(/var/lib/kubelet /var/lib/pmem-csi.intel.com /var/lib/pmem-csi-emulated)
+# (and those of the chart's second instance, charts/pmem-csi/ci/second-instance-values.yaml)
+NODE_DIRS=(/var/lib/kubelet /var/lib/pmem-csi.intel.com /var/lib/pmem-csi-emulated
+  /var/lib/second.pmem-csi.intel.com /var/lib/pmem-csi-second-emulated)
 CG_HIERARCHIES=(cpu cpuacct cpuset memory devices freezer blkio pids systemd unified)
 
 export PATH=$NODE_BIN:$K8S_BIN:$PATH   # containerd finds containerd-shim-runc-v2 on PATH
@@ -1013,6 +1019,89 @@ scenarios() {
 }
 
 # ---------------------------------------------------------------------------------------------
+# The Helm chart: installed as users install it, two instances side by side, uninstalled
+# ---------------------------------------------------------------------------------------------
+HELM="$(bash "$here/helm.sh" --print-dir)/helm --kubeconfig=$S/pki/admin.kubeconfig"
+CHART=$REPO/charts/pmem-csi
+SECOND=second.pmem-csi.intel.com
+
+# Objects of driver instance <driver> that are left: cluster-scoped ones with its instance label,
+# and its namespace <namespace>.
+instance_left() { # <driver> <namespace>
+  $KUBECTL get clusterroles,clusterrolebindings,csidrivers,storageclasses,mutatingwebhookconfigurations,validatingadmissionpolicies,validatingadmissionpolicybindings \
+    -l "app.kubernetes.io/instance=$1" -o name
+  $KUBECTL get namespace "$2" -o name 2>/dev/null || true
+}
+instance_gone() { [[ -z $(instance_left "$1" "$2") ]]; }
+csinode_has() { $KUBECTL get csinode "$1" -o jsonpath='{.spec.drivers[*].name}' | grep -qw "$2"; }
+csinode_lacks() { ! csinode_has "$1" "$2"; }
+second_publishes() { $KUBECTL -n pmem-csi-second get csistoragecapacity "pmem-csi-$1-second-pmem-csi-sc-ext4" >/dev/null 2>&1; }
+first_free_all() { local n; for n in "${NODES[@]}"; do echo "$n=$(published_free "$n" pmem-csi-sc-ext4)"; done; }
+# Helm's --set items giving every image as `images` imported it.
+image_values() {
+  local v=(--set image.repository=localhost/pmem-csi --set image.tag=dev) s i
+  for s in provisioner:$PROVISIONER_IMAGE resizer:$RESIZER_IMAGE registrar:$REGISTRAR_IMAGE; do
+    i=${s#*:}
+    v+=(--set "sidecars.${s%%:*}.repository=${i%:*}" --set "sidecars.${s%%:*}.tag=${i##*:}")
+  done
+  printf '%s\n' "${v[@]}"
+}
+# A claim of class <class> used by a busybox pod, Running; then both deleted and the PV gone.
+claim_works() { # <class> <what>
+  apply_claim probe 64Mi "$1"
+  data_pod probe probe 'echo ok > /data/ok' | $KUBECTL apply -f - >/dev/null
+  $KUBECTL wait --for=condition=Ready pod/probe --timeout=120s >/dev/null || die "$2: pod on class $1 not Ready"
+  local pv
+  pv=$($KUBECTL get pvc probe -o jsonpath='{.spec.volumeName}')
+  $KUBECTL delete pod probe --wait=true >/dev/null
+  $KUBECTL delete pvc probe --wait=true >/dev/null
+  wait_for 60 "$2: PV $pv gone" no_pvs
+  echo "$pv"
+}
+
+chart() {
+  local t0=$SECONDS n values first_free pv left
+  mapfile -t values < <(image_values)
+  # The kustomize install goes first, and nothing of it may stay.
+  $KUBECTL delete -k "$S/deploy" --wait=true >/dev/null
+  wait_for 180 "the kustomize install gone" instance_gone pmem-csi.intel.com pmem-csi
+  $HELM install pmem-csi "$CHART" -n pmem-csi --create-namespace --set schedulerExtender.enabled=true \
+    "${values[@]}" --wait --timeout 300s >/dev/null || die "helm install pmem-csi"
+  log "helm install of the chart (= overlays/emulated + components/scheduler-extender) done $((SECONDS - t0))s after the kustomize install went"
+  # The same checks as after `kubectl apply -k`: late binding, webhook and extender, raw block,
+  # inline and generic ephemeral volumes, clean-up, expansion.
+  verify
+  # A second instance on the same nodes, in its own namespace, under its own driver name.
+  $HELM install second "$CHART" -n pmem-csi-second --create-namespace \
+    -f "$CHART/ci/second-instance-values.yaml" --set schedulerExtender.enabled=false \
+    --set emulated.size=1Gi "${values[@]}" --wait --timeout 300s >/dev/null || die "helm install second"
+  for n in "${NODES[@]}"; do
+    wait_for 60 "CSINode $n lists $SECOND too" csinode_has "$n" "$SECOND"
+    wait_for 60 "$n publishing for $SECOND" second_publishes "$n"
+  done
+  first_free=$(first_free_all)
+  pv=$(claim_works second-pmem-csi-sc-ext4 "the second instance")
+  [[ $(first_free_all) == "$first_free" ]] || die "the first instance's capacity moved with the second's volume: $first_free -> $(first_free_all)"
+  [[ -z $($KUBECTL -n pmem-csi get csistoragecapacities -l "csi.storage.k8s.io/drivername=$SECOND" -o name) ]] ||
+    die "the second instance published into the first's namespace"
+  log "two instances: $SECOND provisioned $pv on its own class, publishing in its own namespace; the first's capacity unchanged"
+  $HELM uninstall second -n pmem-csi-second --wait --timeout 300s >/dev/null || die "helm uninstall second"
+  # What the running driver made (heartbeat Leases, capacity objects) goes with the namespace.
+  $KUBECTL delete namespace pmem-csi-second --wait=true >/dev/null
+  wait_for 120 "nothing of $SECOND left" instance_gone "$SECOND" pmem-csi-second
+  for n in "${NODES[@]}"; do wait_for 60 "CSINode $n without $SECOND" csinode_lacks "$n" "$SECOND"; done
+  claim_works pmem-csi-sc-ext4 "the first instance after the second's uninstall" >/dev/null
+  log "the second instance uninstalled without a trace; the first still provisions"
+  $HELM uninstall pmem-csi -n pmem-csi --wait --timeout 300s >/dev/null || die "helm uninstall pmem-csi"
+  $KUBECTL delete namespace pmem-csi --wait=true >/dev/null
+  wait_for 120 "nothing of pmem-csi.intel.com left" instance_gone pmem-csi.intel.com pmem-csi
+  left=$($KUBECTL get pv,csistoragecapacities -A -o name)
+  [[ -z $left ]] || die "left after helm uninstall: $left"
+  no_volume_left "helm uninstall"
+  log "chart passed in $((SECONDS - t0))s: installed, verified, a second instance beside it, both uninstalled without a trace"
+}
+
+# ---------------------------------------------------------------------------------------------
 # Stop: leave nothing behind
 # ---------------------------------------------------------------------------------------------
 # pids of every process whose mount namespace is node N's (containerd, shims, kubelet, kube-proxy).
@@ -1177,6 +1266,7 @@ case ${1:-} in
   deploy) deploy ;;
   verify) verify ;;
   scenarios) scenarios ;;
+  chart) chart ;;
   status) status ;;
   stop) stop ;;
   leftovers) leftovers ;;
