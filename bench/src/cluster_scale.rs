@@ -245,7 +245,7 @@ pub async fn capacity_latency(
         secondary: vec![],
         target: Target {
             p50_max: None,
-            p99_max: Some(crate::report::RelativeTarget { of: vec![], plus: 2.0 }),
+            p99_max: Some(crate::report::RelativeTarget::absolute(2.0)),
             ..Target::none()
         },
         flags: serde_json::json!({"debounce_ms": 500, "poll_ms": 10, "backend": "fake"}),

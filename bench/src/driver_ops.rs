@@ -245,10 +245,10 @@ pub async fn run(binary: &Path, work: &Path, n: usize) -> anyhow::Result<Vec<Ben
         };
     let relative = |of: &[&str], plus: f64| Target {
         p50_max: None,
-        p99_max: Some(RelativeTarget {
-            of: of.iter().map(|s| s.to_string()).collect(),
+        p99_max: Some(RelativeTarget::sum(
+            of.iter().map(|s| s.to_string()).collect(),
             plus,
-        }),
+        )),
         ..Target::none()
     };
     Ok(vec![

@@ -6,6 +6,7 @@ mod cluster_scale;
 mod driver_ops;
 mod end_to_end;
 mod faults;
+mod filter_floor;
 mod http_load;
 mod report;
 mod webhook_load;
@@ -38,8 +39,9 @@ enum Command {
         /// Run only the node driver benchmarks and print them; no result file (experiments).
         #[arg(long)]
         driver_only: bool,
-        /// Run only the webhook (`mutate`) or extender (`filter`) load and print it; no result
-        /// file (experiments).
+        /// Run only the webhook (`mutate`) or extender (`filter`, with its floor) load; without
+        /// --smoke, write `bench/results/<date>-<sha>-<mutate|filter>.json` and render
+        /// BENCHMARKS.md (failing when a target is missed).
         #[arg(long, value_parser = ["mutate", "filter"])]
         load_only: Option<String>,
         /// Run only the end-to-end benchmarks (pod start-up, storage-bound A/B) and print them;
@@ -61,6 +63,17 @@ enum Command {
     Render,
     /// Fail when BENCHMARKS.md differs from what bench/results/ renders to.
     Check,
+    /// Serve the floor of the extender's `/filter` (bench/src/filter_floor.rs) for the load
+    /// benchmark, which starts it.
+    #[command(hide = true)]
+    FilterFloor {
+        /// Listen address.
+        #[arg(long)]
+        address: std::net::SocketAddr,
+        /// Nodes in its table (`webhook_load::node_name` of 0..nodes).
+        #[arg(long)]
+        nodes: usize,
+    },
 }
 
 /// The repository root: the working directory (`just` runs recipes there), so that a binary
@@ -125,6 +138,10 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    if let Command::FilterFloor { address, nodes } = cli.command {
+        let runtime = tokio::runtime::Runtime::new().context("tokio runtime")?;
+        return runtime.block_on(filter_floor::serve(address, nodes, webhook_load::node_name));
+    }
     let root = repo_root()?;
     let results_dir = root.join("bench/results");
     let markdown = root.join("BENCHMARKS.md");
@@ -191,6 +208,9 @@ fn main() -> anyhow::Result<()> {
                     runtime.block_on(webhook_load::filter(&scale))?
                 };
                 print_quantiles(&benchmarks);
+                if !smoke {
+                    publish(&root, benchmarks, Some(&which))?;
+                }
                 return Ok(());
             }
             let tools = testenv::Tools::locate().context("locating tools")?;
@@ -260,6 +280,8 @@ fn main() -> anyhow::Result<()> {
             );
             println!("BENCHMARKS.md matches bench/results/");
         }
+        // Served before the repository root is needed.
+        Command::FilterFloor { .. } => {}
     }
     Ok(())
 }

@@ -81,13 +81,49 @@ pub struct Target {
     pub p50_at_most_of: Option<String>,
 }
 
-/// `p99 ≤ Σ p99(of) + plus`.
+/// `p99 ≤ times × Σ p99(of) + plus`, and never above `cap`.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct RelativeTarget {
     /// Names of benchmarks in the same run.
     pub of: Vec<String>,
     /// Added allowance, in the benchmark's unit.
     pub plus: f64,
+    /// Factor on the sum of the others' p99 (1 when absent).
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub times: f64,
+    /// An absolute limit besides the relative one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cap: Option<f64>,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+fn is_one(x: &f64) -> bool {
+    *x == 1.0
+}
+
+impl RelativeTarget {
+    /// `p99 ≤ plus`.
+    pub fn absolute(plus: f64) -> Self {
+        Self {
+            of: vec![],
+            plus,
+            times: 1.0,
+            cap: None,
+        }
+    }
+
+    /// `p99 ≤ Σ p99(of) + plus`.
+    pub fn sum(of: Vec<String>, plus: f64) -> Self {
+        Self {
+            of,
+            plus,
+            times: 1.0,
+            cap: None,
+        }
+    }
 }
 
 impl Target {
@@ -127,8 +163,13 @@ impl Benchmark {
                     .find(|b| &b.name == name)
                     .map_or(f64::INFINITY, |b| quantile(&b.samples, 0.99))
             })
-            .sum();
-        Some(base + rel.plus)
+            .sum::<f64>();
+        let relative = if rel.of.is_empty() {
+            rel.plus
+        } else {
+            rel.times * base + rel.plus
+        };
+        Some(rel.cap.map_or(relative, |cap| relative.min(cap)))
     }
 
     /// Why it misses its target, if it does.
@@ -184,14 +225,27 @@ impl Benchmark {
         match (&self.target.p50_max, &self.target.p99_max) {
             (Some(max), _) => format!("p50 ≤ {max}{}", self.unit),
             (None, Some(rel)) if rel.of.is_empty() => format!("p99 ≤ {}{}", rel.plus, self.unit),
-            (None, Some(rel)) => format!(
-                "p99 ≤ p99({}) + {}{} = {:.3}{}",
-                rel.of.join(") + p99("),
-                rel.plus,
-                self.unit,
-                self.p99_limit(run).unwrap_or(f64::NAN),
-                self.unit
-            ),
+            (None, Some(rel)) => {
+                let factor = if rel.times == 1.0 {
+                    String::new()
+                } else {
+                    format!("{} × ", rel.times)
+                };
+                let plus = if rel.plus == 0.0 {
+                    String::new()
+                } else {
+                    format!(" + {}{}", rel.plus, self.unit)
+                };
+                let cap = rel
+                    .cap
+                    .map_or(String::new(), |c| format!("{c}{} and ", self.unit));
+                format!(
+                    "p99 ≤ {cap}{factor}p99({}){plus} = {:.3}{}",
+                    rel.of.join(") + p99("),
+                    self.p99_limit(run).unwrap_or(f64::NAN),
+                    self.unit
+                )
+            }
             (None, None) => "–".into(),
         }
     }
@@ -439,10 +493,10 @@ mod tests {
     #[test]
     fn relative_targets() {
         let rel = |plus| Target {
-            p99_max: Some(RelativeTarget {
-                of: vec!["fsync".into(), "fallocate".into()],
+            p99_max: Some(RelativeTarget::sum(
+                vec!["fsync".into(), "fallocate".into()],
                 plus,
-            }),
+            )),
             ..Target::none()
         };
         let run = vec![
@@ -458,13 +512,31 @@ mod tests {
             "x",
             vec![1.0],
             Target {
-                p99_max: Some(RelativeTarget {
-                    of: vec!["absent".into()],
-                    plus: 0.0,
-                }),
+                p99_max: Some(RelativeTarget::sum(vec!["absent".into()], 0.0)),
                 ..Target::none()
             },
         )];
+        let floor = |cap| Target {
+            p99_max: Some(RelativeTarget {
+                times: 2.0,
+                cap,
+                ..RelativeTarget::sum(vec!["floor".into()], 0.0)
+            }),
+            ..Target::none()
+        };
+        let run = vec![
+            bench("floor", vec![0.3, 0.4], Target::none()),
+            bench("twice", vec![0.7, 0.8], floor(None)),
+            bench("more", vec![0.7, 0.81], floor(None)),
+            bench("capped", vec![0.7, 0.8], floor(Some(0.75))),
+        ];
+        assert_eq!(run[1].miss(&run), None, "0.8 ≤ 2 × 0.4");
+        assert!(run[2].miss(&run).is_some(), "0.81 > 2 × 0.4");
+        assert!(run[3].miss(&run).is_some(), "0.8 > the cap 0.75");
+        assert_eq!(
+            run[3].describe_target(&run),
+            "p99 ≤ 0.75ms and 2 × p99(floor) = 0.750ms"
+        );
         assert_eq!(
             missing[0].miss(&missing),
             None,

@@ -28,6 +28,10 @@ const SECRET: &str = "pmem-csi-intel-com-controller-secret";
 const CAPACITY_CLASS: &str = "pmem-late";
 /// Filter requests with this many names carry the filter target.
 const FILTER_TARGET_NAMES: usize = 5_000;
+/// `/filter` with [`FILTER_TARGET_NAMES`] names: p99 at most this (ms) …
+const FILTER_TARGET_MS: f64 = 1.0;
+/// … and at most this many times the floor's p99 (bench/src/filter_floor.rs).
+const FILTER_TARGET_FLOOR_FACTOR: f64 = 2.0;
 /// Waiting for a component to come up or catch up; generous for a loaded 2-core machine.
 const WAIT: Duration = Duration::from_secs(120);
 const GI: u64 = 1 << 30;
@@ -93,10 +97,7 @@ impl Scale {
 fn p99_at_most(ms: f64) -> Target {
     Target {
         p50_max: None,
-        p99_max: Some(RelativeTarget {
-            of: vec![],
-            plus: ms,
-        }),
+        p99_max: Some(RelativeTarget::absolute(ms)),
         ..Target::none()
     }
 }
@@ -353,7 +354,8 @@ async fn mutate_on(env: &TestEnv, scale: &Scale) -> anyhow::Result<Vec<Benchmark
 }
 
 /// The node names of the filter benchmarks.
-fn node_name(i: usize) -> String {
+/// The name of the `i`-th published node of the `/filter` load.
+pub(crate) fn node_name(i: usize) -> String {
     format!("load-node-{i:05}")
 }
 
@@ -451,47 +453,124 @@ async fn filter_on(env: &TestEnv, scale: &Scale) -> anyhow::Result<Vec<Benchmark
             body: extender_args(names)?,
             ..all.clone()
         };
-        let mut pool = Pool::connect(endpoint, scale.connections).await?;
         let name = format!("extender-filter-{names}-names");
-        let rate = scale.filter_rate;
-        let (outcome, windows) =
-            measured_run(&mut pool, &name, rate, scale, scale.filter_duration).await?;
-        out.push(Benchmark {
-            name,
-            description: format!(
-                "ms from a /filter request's scheduled send (open loop, {rate} req/s, {} keep-alive connections, the {} s window of {} with the least CPU stolen by the hypervisor; control plane at SCHED_IDLE; {names} node names, all fitting) to the end of the answer; `secondary`: from its actual send",
-                scale.connections,
-                scale.filter_duration.as_secs_f64(),
-                scale.windows
-            ),
-            unit: "ms".into(),
-            samples: outcome.latencies_ms.clone(),
-            secondary: outcome.service_ms.clone(),
-            target: if names == FILTER_TARGET_NAMES {
-                p99_at_most(5.0)
-            } else {
-                Target::none()
-            },
-            flags: serde_json::json!({
-                "names": names,
-                "published_nodes": nodes,
-                "rate_per_s": rate,
-                "duration_s": scale.filter_duration.as_secs_f64(),
-                "warmup_s": scale.warmup.as_secs_f64(),
-                "connections": scale.connections,
-                "keep_alive": true,
-                "transport": "http",
-                "request": "ExtenderArgs with NodeNames; pod with one 1Gi CSI inline volume of the driver, same UID every request",
-                "extender_args": ["--reschedule-grace=24h"],
-                "control_plane": CONTROL_PLANE,
-                "placement": "reserve-all (default)",
-                "achieved_rate_per_s": outcome.rate(),
-                "failures": outcome.failures,
-                "windows": windows,
-            }),
-        });
+        let target = if names == FILTER_TARGET_NAMES {
+            Target {
+                p99_max: Some(RelativeTarget {
+                    times: FILTER_TARGET_FLOOR_FACTOR,
+                    cap: Some(FILTER_TARGET_MS),
+                    ..RelativeTarget::sum(vec![floor_name(names)], 0.0)
+                }),
+                ..Target::none()
+            }
+        } else {
+            Target::none()
+        };
+        out.push(filter_load(endpoint, &name, "all fitting", scale, target, nodes).await?);
+    }
+    out.extend(floor(scale, nodes).await?);
+    Ok(out)
+}
+
+fn floor_name(names: usize) -> String {
+    format!("extender-filter-floor-{names}-names")
+}
+
+/// The same load against the floor of `/filter` (bench/src/filter_floor.rs), a process of this
+/// binary's own knowing `nodes` nodes.
+async fn floor(scale: &Scale, nodes: usize) -> anyhow::Result<Vec<Benchmark>> {
+    let port = testenv::ports::free_port().context("a port for the floor")?;
+    let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
+    let _server = tokio::process::Command::new(std::env::current_exe()?)
+        .args(["filter-floor", "--address", &addr.to_string(), "--nodes"])
+        .arg(nodes.to_string())
+        .kill_on_drop(true)
+        .spawn()
+        .context("starting the floor server")?;
+    let all = Endpoint {
+        addr,
+        transport: Transport::Plain,
+        path: "/filter".into(),
+        body: extender_args(nodes)?,
+    };
+    until("the floor server to answer", WAIT, || async {
+        crate::http_load::once(&all)
+            .await
+            .map(|_| ())
+            .map_err(|e| format!("{e:#}"))
+    })
+    .await?;
+    let mut out = Vec::new();
+    for &names in &scale.filter_names {
+        let endpoint = Endpoint {
+            body: extender_args(names)?,
+            ..all.clone()
+        };
+        out.push(
+            filter_load(
+                endpoint,
+                &floor_name(names),
+                "decoded, looked up and encoded only: no fit, no lock, no metrics (the floor)",
+                scale,
+                Target::none(),
+                nodes,
+            )
+            .await?,
+        );
     }
     Ok(out)
+}
+
+/// One `/filter` benchmark: `scale`'s open-loop windows against `endpoint`.
+async fn filter_load(
+    endpoint: Endpoint,
+    name: &str,
+    what: &str,
+    scale: &Scale,
+    target: Target,
+    nodes: usize,
+) -> anyhow::Result<Benchmark> {
+    let names = endpoint_names(&endpoint)?;
+    let mut pool = Pool::connect(endpoint, scale.connections).await?;
+    let rate = scale.filter_rate;
+    let (outcome, windows) =
+        measured_run(&mut pool, name, rate, scale, scale.filter_duration).await?;
+    Ok(Benchmark {
+        name: name.to_string(),
+        description: format!(
+            "ms from a /filter request's scheduled send (open loop, {rate} req/s, {} keep-alive connections, the {} s window of {} with the least CPU stolen by the hypervisor; control plane at SCHED_IDLE; {names} node names, {what}) to the end of the answer; `secondary`: from its actual send",
+            scale.connections,
+            scale.filter_duration.as_secs_f64(),
+            scale.windows
+        ),
+        unit: "ms".into(),
+        samples: outcome.latencies_ms.clone(),
+        secondary: outcome.service_ms.clone(),
+        target,
+        flags: serde_json::json!({
+            "names": names,
+            "published_nodes": nodes,
+            "rate_per_s": rate,
+            "duration_s": scale.filter_duration.as_secs_f64(),
+            "warmup_s": scale.warmup.as_secs_f64(),
+            "connections": scale.connections,
+            "keep_alive": true,
+            "transport": "http",
+            "request": "ExtenderArgs with NodeNames; pod with one 1Gi CSI inline volume of the driver, same UID every request",
+            "extender_args": ["--reschedule-grace=24h"],
+            "control_plane": CONTROL_PLANE,
+            "placement": "reserve-all (default)",
+            "achieved_rate_per_s": outcome.rate(),
+            "failures": outcome.failures,
+            "windows": windows,
+        }),
+    })
+}
+
+/// How many node names the request of `endpoint` carries.
+fn endpoint_names(endpoint: &Endpoint) -> anyhow::Result<usize> {
+    let args: serde_json::Value = serde_json::from_slice(&endpoint.body)?;
+    Ok(args["NodeNames"].as_array().map_or(0, Vec::len))
 }
 
 #[cfg(test)]
