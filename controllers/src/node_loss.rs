@@ -6,18 +6,21 @@
 //! did not opt in are reported with an Event saying what an operator can do, never touched.
 //!
 //! A node is lost when its Node object is gone, or when its driver's heartbeat has expired
-//! *and* its kubelet does not report Ready: a node whose kubelet still runs its pods is never
-//! lost, however long its driver crash-loops, since deleting a claim there would throw away
-//! data a running pod uses. The grace counts from the later of the two silences, as the
-//! liveness view observed them (so a controller restart or a new leader starts it again), and
-//! every action is preceded by uncached reads that must agree.
+//! *and* its kubelet stopped reporting (condition Ready is Unknown): a node whose kubelet still
+//! reports — Ready or not — may run pods that use their volumes, however long its driver
+//! crash-loops, and deleting a claim there would throw their data away. The grace counts from
+//! the moment this leader first saw the node lost *that way* (a [`LossClock`]: a Node deleted
+//! hours after its driver stopped is lost from its deletion on), never earlier than the
+//! liveness view and the kubelet's own transition say; a new leader starts it again. Every
+//! action is preceded by uncached reads that must agree, and nothing is deleted while more
+//! than half of the driver's nodes look lost (an apiserver or zone outage, not lost nodes).
 //!
 //! The decision ([`decide`]) is a pure function of plain facts; the controller around it reads
 //! the caches, confirms, and writes.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
@@ -75,11 +78,12 @@ impl Loss {
 pub enum Kubelet {
     /// No Node object.
     NodeGone,
-    /// Condition Ready is True.
-    Ready,
-    /// Condition Ready is False or Unknown (or absent); `for_`: since its last transition,
-    /// when known.
-    NotReady {
+    /// Condition Ready is True or False, or absent: a kubelet that reports (a False Ready comes
+    /// from a running kubelet whose runtime or network is unwell, its pods may still run).
+    Reporting,
+    /// Condition Ready is Unknown: the kubelet stopped reporting; `for_`: since its last
+    /// transition, when known.
+    Silent {
         /// How long ago Ready last changed.
         for_: Option<Duration>,
     },
@@ -96,12 +100,12 @@ pub fn lost_for(
         (DriverlessReason::NodeMissing | DriverlessReason::HeartbeatExpired, Kubelet::NodeGone) => {
             Some((Loss::NodeDeleted, driverless_for))
         }
-        (DriverlessReason::HeartbeatExpired, Kubelet::NotReady { for_ }) => Some((
+        (DriverlessReason::HeartbeatExpired, Kubelet::Silent { for_ }) => Some((
             Loss::Silent,
             for_.map_or(driverless_for, |f| f.min(driverless_for)),
         )),
-        // A label removed by an operator is no loss; a kubelet that reports Ready runs pods
-        // that may use their volumes; a Node the caches miss but the API server has is a race.
+        // A label removed by an operator is no loss; a kubelet that reports runs pods that may
+        // use their volumes; a Node the caches miss but the API server has is a race.
         _ => None,
     }
 }
@@ -117,15 +121,60 @@ pub fn kubelet_of(node: Option<&Node>, now: k8s_openapi::jiff::Timestamp) -> Kub
         .and_then(|s| s.conditions.as_ref())
         .and_then(|c| c.iter().find(|c| c.type_ == "Ready"));
     match ready {
-        Some(c) if c.status == "True" => Kubelet::Ready,
-        Some(c) => Kubelet::NotReady {
+        Some(c) if c.status == "Unknown" => Kubelet::Silent {
             for_: c
                 .last_transition_time
                 .as_ref()
                 .and_then(|t| now.duration_since(t.0).try_into().ok()),
         },
-        None => Kubelet::NotReady { for_: None },
+        _ => Kubelet::Reporting,
     }
+}
+
+/// Since when this leader has seen each node lost, and how. The liveness view's clock starts at
+/// the first sign of driverlessness of any kind; a Node deleted hours after its label was
+/// removed or its driver stopped would otherwise count as lost for hours at once.
+#[derive(Debug, Default)]
+pub struct LossClock {
+    since: HashMap<String, (Loss, Instant)>,
+}
+
+impl LossClock {
+    /// Records what `node` looks like at `now` (`lost`, from [`lost_for`]); returns it with its
+    /// duration capped by how long this clock has seen that kind of loss.
+    pub fn observe(
+        &mut self,
+        node: &str,
+        lost: Option<(Loss, Duration)>,
+        now: Instant,
+    ) -> Option<(Loss, Duration)> {
+        let Some((loss, lost_for)) = lost else {
+            self.since.remove(node);
+            return None;
+        };
+        let entry = self.since.entry(node.to_string()).or_insert((loss, now));
+        if entry.0 != loss {
+            *entry = (loss, now);
+        }
+        Some((loss, lost_for.min(now.saturating_duration_since(entry.1))))
+    }
+
+    /// How many nodes look lost, and how many of them are deleted.
+    pub fn lost(&self) -> (usize, usize) {
+        let deleted = self
+            .since
+            .values()
+            .filter(|(loss, _)| *loss == Loss::NodeDeleted)
+            .count();
+        (self.since.len(), deleted)
+    }
+}
+
+/// Whether recovery must hold back: more than half of the driver's nodes look lost at once
+/// (`lost` of `selected` nodes that exist and match the selector, plus `deleted` ones that are
+/// gone). That is an apiserver, network or zone outage, not nodes lost for good.
+pub fn too_many_lost(lost: usize, deleted: usize, selected: usize) -> bool {
+    lost * 2 > selected + deleted
 }
 
 /// Where a claim's opt-in comes from.
@@ -194,11 +243,14 @@ impl VolumeFacts {
 pub enum ClaimState {
     /// No claim of that name and uid.
     Gone,
-    /// The claim exists.
+    /// The claim exists and is bound to this volume.
     Present {
         /// Whether and how it opted in.
         opt_in: Option<OptIn>,
     },
+    /// A claim of that name (and uid, when the PV records one) exists, but is not bound to
+    /// this volume: not ours to judge.
+    Elsewhere,
 }
 
 /// The decision about one PV.
@@ -263,6 +315,7 @@ pub fn decide(
     let remove_finalizer =
         |v: &VolumeFacts| loss == Loss::NodeDeleted && v.reclaim_delete && v.provisioner_finalizer;
     match claim {
+        ClaimState::Elsewhere => Verdict::Done,
         ClaimState::Present { opt_in: None } => Verdict::Report { loss },
         ClaimState::Present {
             opt_in: Some(opt_in),
@@ -317,8 +370,8 @@ pub struct NodeLossSettings {
 
 /// What the recovery did, by action
 /// (`pmem_csi_node_loss_actions_total{action}`): `reported` (a claim that did not opt in),
-/// `dry-run` (what would have been done), `claim-deleted`, `pod-deleted`, `volume-deleted`,
-/// `finalizer-removed`.
+/// `dry-run` (what would have been done), `refused` (more than half of the nodes look lost),
+/// `claim-deleted`, `pod-deleted`, `volume-deleted`, `finalizer-removed`.
 #[derive(Clone, Debug)]
 pub struct NodeLossMetrics {
     actions: Family<ActionLabels, Counter>,
@@ -330,9 +383,10 @@ struct ActionLabels {
 }
 
 /// Every action label, so that dashboards see each series at zero.
-const ACTIONS: [&str; 6] = [
+const ACTIONS: [&str; 7] = [
     "reported",
     "dry-run",
+    "refused",
     "claim-deleted",
     "pod-deleted",
     "volume-deleted",
@@ -382,9 +436,20 @@ struct Context {
     recorder: Recorder,
     metrics: NodeLossMetrics,
     instrument: Instrument<PersistentVolume>,
-    /// Claims (uid) and volumes (name) already reported this term: one Event each.
+    /// What was already reported this term, one Event each: `<kind>/<claim uid or volume>`.
     reported: Mutex<HashSet<String>>,
+    /// Since when each node has looked lost, and how.
+    clock: Mutex<LossClock>,
+    /// Uncached confirmations per node, reused for a few seconds: a lost node with many
+    /// volumes is read once, not once per volume.
+    confirmed: Mutex<HashMap<String, Confirmation>>,
 }
+
+/// An uncached confirmation of a node: when, why it is driverless (if it is), its kubelet.
+type Confirmation = (Instant, Option<DriverlessReason>, Kubelet);
+
+/// How long an uncached confirmation of a node is reused.
+const CONFIRMATION_REUSED_FOR: Duration = Duration::from_secs(5);
 
 /// The recovery's dependencies.
 pub struct NodeLossRecovery {
@@ -423,6 +488,8 @@ impl NodeLossRecovery {
             metrics: self.metrics,
             instrument: Instrument::new(CONTROLLER, self.reconciles),
             reported: Mutex::default(),
+            clock: Mutex::default(),
+            confirmed: Mutex::default(),
         });
         tracing::info!(
             grace = ?self.settings.grace,
@@ -464,11 +531,21 @@ impl Context {
             .cloned()
     }
 
-    fn claim_state(&self, claim: Option<&PersistentVolumeClaim>, uid: Option<&str>) -> ClaimState {
+    fn claim_state(
+        &self,
+        claim: Option<&PersistentVolumeClaim>,
+        uid: Option<&str>,
+        volume: &str,
+    ) -> ClaimState {
         let Some(claim) = claim.filter(|c| uid.is_none() || c.metadata.uid.as_deref() == uid)
         else {
             return ClaimState::Gone;
         };
+        // A PV pre-bound by name (no uid) matches any claim of that name: only one bound to
+        // this very volume is judged.
+        if claim.spec.as_ref().and_then(|s| s.volume_name.as_deref()) != Some(volume) {
+            return ClaimState::Elsewhere;
+        }
         let own = claim
             .metadata
             .annotations
@@ -477,6 +554,61 @@ impl Context {
         ClaimState::Present {
             opt_in: opt_in(own.map(String::as_str), self.class_value(claim).as_deref()),
         }
+    }
+
+    /// The clock's view of `node` now (see [`LossClock::observe`]).
+    fn observe(&self, node: &str, lost: Option<(Loss, Duration)>) -> Option<(Loss, Duration)> {
+        self.clock
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .observe(node, lost, Instant::now())
+    }
+
+    /// Whether more than half of the driver's nodes look lost now.
+    fn too_many_lost(&self) -> bool {
+        let (lost, deleted) = self
+            .clock
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .lost();
+        let selector = &self.liveness.settings().selector;
+        let selected = self
+            .stores
+            .nodes
+            .state()
+            .iter()
+            .filter(|n| selector.matches(n.metadata.labels.as_ref()))
+            .count();
+        too_many_lost(lost, deleted, selected)
+    }
+
+    /// Uncached: why the driver does not run on `node` and what its kubelet says (reused for
+    /// [`CONFIRMATION_REUSED_FOR`]).
+    async fn confirm(
+        &self,
+        node: &str,
+    ) -> Result<(Option<DriverlessReason>, Kubelet), kube::Error> {
+        let now = Instant::now();
+        if let Some((at, reason, kubelet)) = self
+            .confirmed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(node)
+            && now.saturating_duration_since(*at) < CONFIRMATION_REUSED_FOR
+        {
+            return Ok((*reason, *kubelet));
+        }
+        let fresh = Api::<Node>::all(self.client.clone()).get_opt(node).await?;
+        let reason = self.liveness.confirm(&self.client, node).await?;
+        let kubelet = kubelet_of(fresh.as_ref(), k8s_openapi::jiff::Timestamp::now());
+        let mut confirmed = self
+            .confirmed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        confirmed
+            .retain(|_, (at, _, _)| now.saturating_duration_since(*at) < CONFIRMATION_REUSED_FOR);
+        confirmed.insert(node.to_string(), (now, reason, kubelet));
+        Ok((reason, kubelet))
     }
 
     /// Whether `key` was reported this term.
@@ -530,10 +662,14 @@ async fn recover(pv: &PersistentVolume, ctx: &Context) -> Result<Action, NodeLos
     let cached_node = ctx.stores.nodes.get(&ObjectRef::<Node>::new(&node));
     let now = k8s_openapi::jiff::Timestamp::now();
     let driverless = ctx.liveness.driverless_for(&node);
+    let lost = ctx.observe(
+        &node,
+        lost_for(driverless, kubelet_of(cached_node.as_deref(), now)),
+    );
     let cached = decide(
         &volume,
-        ctx.claim_state(cached_claim.as_deref(), uid.as_deref()),
-        lost_for(driverless, kubelet_of(cached_node.as_deref(), now)),
+        ctx.claim_state(cached_claim.as_deref(), uid.as_deref(), &volume.name),
+        lost,
         grace,
     );
     match cached {
@@ -542,38 +678,53 @@ async fn recover(pv: &PersistentVolume, ctx: &Context) -> Result<Action, NodeLos
         Verdict::Wait(left) => return Ok(Action::requeue(left.min(check))),
         // Reported already: the uncached reads would only say so again, for every volume of a
         // lost node every few seconds, as long as their claims stay.
-        Verdict::Report { .. } if reported(ctx, cached_claim.as_deref()) => {
+        Verdict::Report { .. } if reported(ctx, "report", cached_claim.as_deref()) => {
             return Ok(Action::requeue(check));
         }
         Verdict::Recover { .. } | Verdict::Release { .. }
-            if ctx.settings.dry_run && ctx.was_reported(&volume.name) =>
+            if ctx.settings.dry_run && ctx.was_reported(&format!("dry-run/{}", volume.name)) =>
         {
             return Ok(Action::requeue(check));
         }
         Verdict::Report { .. } | Verdict::Recover { .. } | Verdict::Release { .. } => {}
     }
     // Then from uncached reads, which must agree before anything is written.
-    let fresh_node = Api::<Node>::all(ctx.client.clone())
-        .get_opt(&node)
+    let (confirmed, kubelet) = ctx
+        .confirm(&node)
         .await
-        .map_err(err("reading the node"))?;
-    let confirmed = ctx
-        .liveness
-        .confirm(&ctx.client, &node)
-        .await
-        .map_err(err("confirming the node's liveness"))?;
+        .map_err(err("confirming the node's loss"))?;
     let claims = Api::<PersistentVolumeClaim>::namespaced(ctx.client.clone(), &namespace);
     let fresh_claim = claims
         .get_opt(&name)
         .await
         .map_err(err("reading the claim"))?;
-    let lost = lost_for(
-        confirmed.zip(driverless.map(|(_, d)| d)),
-        kubelet_of(fresh_node.as_ref(), now),
+    let lost = ctx.observe(
+        &node,
+        lost_for(confirmed.zip(driverless.map(|(_, d)| d)), kubelet),
     );
-    let claim_state = ctx.claim_state(fresh_claim.as_ref(), uid.as_deref());
+    let claim_state = ctx.claim_state(fresh_claim.as_ref(), uid.as_deref(), &volume.name);
     let verdict = decide(&volume, claim_state, lost, grace);
     let claim_label = format!("{namespace}/{name}");
+    let deletes = matches!(verdict, Verdict::Recover { .. } | Verdict::Release { .. });
+    if deletes && !ctx.settings.dry_run && ctx.too_many_lost() {
+        ctx.metrics.count("refused");
+        tracing::warn!(node, volume = %volume.name, "more than half of the driver's nodes look lost: an outage, not lost nodes; nothing deleted");
+        if let Some(claim) = fresh_claim.as_ref()
+            && ctx.first_report(&format!("refused/{}", uid_or(claim, &claim_label)))
+        {
+            ctx.publish(
+                claim,
+                "NodeLossRecoveryRefused",
+                format!(
+                    "node {node} looks lost, but so do more than half of the nodes of the driver: \
+                     an apiserver, network or zone outage rather than lost nodes; nothing is \
+                     deleted while it lasts"
+                ),
+            )
+            .await;
+        }
+        return Ok(Action::requeue(check));
+    }
     match verdict {
         Verdict::Ignore | Verdict::Done => Ok(Action::await_change()),
         Verdict::Alive => Ok(Action::requeue(check)),
@@ -582,7 +733,7 @@ async fn recover(pv: &PersistentVolume, ctx: &Context) -> Result<Action, NodeLos
             let Some(claim) = fresh_claim.as_ref() else {
                 return Ok(Action::requeue(check));
             };
-            if ctx.first_report(&uid_or(claim, &claim_label)) {
+            if ctx.first_report(&format!("report/{}", uid_or(claim, &claim_label))) {
                 ctx.metrics.count("reported");
                 tracing::warn!(claim = %claim_label, node, loss = loss.as_str(), volume = %volume.name, "node lost; claim not opted in, left alone");
                 ctx.publish(
@@ -607,7 +758,7 @@ async fn recover(pv: &PersistentVolume, ctx: &Context) -> Result<Action, NodeLos
             loss,
             opt_in,
             delete_volume,
-            remove_finalizer,
+            remove_finalizer: _,
         } => {
             let Some(claim) = fresh_claim.as_ref() else {
                 return Ok(Action::requeue(check));
@@ -643,7 +794,7 @@ async fn recover(pv: &PersistentVolume, ctx: &Context) -> Result<Action, NodeLos
                 }
             );
             if ctx.settings.dry_run {
-                if ctx.first_report(&volume.name) {
+                if ctx.first_report(&format!("dry-run/{}", volume.name)) {
                     ctx.metrics.count("dry-run");
                     tracing::warn!(claim = %claim_label, node, "dry run: would delete {what}: {why}");
                     ctx.publish(
@@ -657,7 +808,7 @@ async fn recover(pv: &PersistentVolume, ctx: &Context) -> Result<Action, NodeLos
                 }
                 return Ok(Action::requeue(check));
             }
-            if ctx.first_report(&uid_or(claim, &claim_label)) {
+            if ctx.first_report(&format!("recover/{}", uid_or(claim, &claim_label))) {
                 tracing::warn!(claim = %claim_label, node, "deleting {what}: {why}");
                 ctx.publish(
                     claim,
@@ -669,42 +820,42 @@ async fn recover(pv: &PersistentVolume, ctx: &Context) -> Result<Action, NodeLos
             if claim.metadata.deletion_timestamp.is_none() {
                 // The claim first: a StatefulSet recreating its pod waits while the claim is
                 // being deleted, instead of starting the new pod on the old claim.
-                delete(&claims, &name, claim.metadata.uid.clone(), None)
+                if delete(&claims, &name, claim.metadata.uid.clone(), None)
                     .await
-                    .map_err(err("deleting the claim"))?;
-                ctx.metrics.count("claim-deleted");
+                    .map_err(err("deleting the claim"))?
+                {
+                    ctx.metrics.count("claim-deleted");
+                }
             }
             let pod_api = Api::<Pod>::namespaced(ctx.client.clone(), &namespace);
             for pod in &pods {
                 let pod_name = pod.metadata.name.clone().unwrap_or_default();
                 // No kubelet will ever confirm a graceful deletion on a lost node.
-                delete(&pod_api, &pod_name, pod.metadata.uid.clone(), Some(0))
+                if delete(&pod_api, &pod_name, pod.metadata.uid.clone(), Some(0))
                     .await
-                    .map_err(err("deleting a pod of the lost node"))?;
-                ctx.metrics.count("pod-deleted");
-                tracing::info!(pod = %format!("{namespace}/{pod_name}"), node, "deleted pod of a lost node");
+                    .map_err(err("deleting a pod of the lost node"))?
+                {
+                    ctx.metrics.count("pod-deleted");
+                    tracing::info!(pod = %format!("{namespace}/{pod_name}"), node, "deleted pod of a lost node");
+                }
             }
             if delete_volume {
-                release(ctx, &volume, !volume.deleting, remove_finalizer)
+                release(ctx, &volume.name, &node, loss)
                     .await
                     .map_err(err("deleting the volume"))?;
             }
             Ok(Action::requeue(check))
         }
-        Verdict::Release {
-            loss,
-            delete,
-            remove_finalizer,
-        } => {
+        Verdict::Release { loss, .. } => {
             if ctx.settings.dry_run {
-                if ctx.first_report(&volume.name) {
+                if ctx.first_report(&format!("dry-run/{}", volume.name)) {
                     ctx.metrics.count("dry-run");
                     tracing::warn!(node, volume = %volume.name, loss = loss.as_str(), "dry run: would delete the released volume of a lost node");
                 }
                 return Ok(Action::requeue(check));
             }
             tracing::info!(node, volume = %volume.name, loss = loss.as_str(), "deleting the released volume of a lost node");
-            release(ctx, &volume, delete, remove_finalizer)
+            release(ctx, &volume.name, &node, loss)
                 .await
                 .map_err(err("deleting the released volume"))?;
             Ok(Action::requeue(check))
@@ -712,11 +863,11 @@ async fn recover(pv: &PersistentVolume, ctx: &Context) -> Result<Action, NodeLos
     }
 }
 
-/// Whether `claim` (from the cache) was reported this term.
-fn reported(ctx: &Context, claim: Option<&PersistentVolumeClaim>) -> bool {
+/// Whether `claim` (from the cache) was reported as `kind` this term.
+fn reported(ctx: &Context, kind: &str, claim: Option<&PersistentVolumeClaim>) -> bool {
     claim
         .and_then(|c| c.metadata.uid.as_deref())
-        .is_some_and(|uid| ctx.was_reported(uid))
+        .is_some_and(|uid| ctx.was_reported(&format!("{kind}/{uid}")))
 }
 
 fn uid_or(claim: &PersistentVolumeClaim, fallback: &str) -> String {
@@ -727,13 +878,13 @@ fn uid_or(claim: &PersistentVolumeClaim, fallback: &str) -> String {
         .unwrap_or_else(|| fallback.to_string())
 }
 
-/// Deletes `name` if its uid is still `uid` (gone already counts as done).
+/// Deletes `name` if its uid is still `uid`; false when it was gone or replaced already.
 async fn delete<K>(
     api: &Api<K>,
     name: &str,
     uid: Option<String>,
     grace_period_seconds: Option<u32>,
-) -> Result<(), kube::Error>
+) -> Result<bool, kube::Error>
 where
     K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
@@ -746,57 +897,87 @@ where
         ..DeleteParams::default()
     };
     match api.delete(name, &params).await {
-        Ok(_) => Ok(()),
+        Ok(_) => Ok(true),
         // Gone, or replaced by a new object of the same name (uid precondition): not ours.
-        Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => Ok(false),
         Err(e) => Err(e),
     }
 }
 
-/// Deletes the volume (when `delete`) and removes external-provisioner's finalizer (when
-/// `remove_finalizer`, only ever for a node that is gone).
-async fn release(
-    ctx: &Context,
-    volume: &VolumeFacts,
-    delete_it: bool,
-    remove_finalizer: bool,
-) -> Result<(), kube::Error> {
+/// Deletes the PV `name` of lost node `node` and, where the Node is gone, removes
+/// external-provisioner's finalizer — decided again on a fresh read of the PV (an operator may
+/// have switched it to Retain since the caches saw it), and written with its uid and
+/// resourceVersion as preconditions.
+async fn release(ctx: &Context, name: &str, node: &str, loss: Loss) -> Result<(), kube::Error> {
     let api = Api::<PersistentVolume>::all(ctx.client.clone());
-    if delete_it {
-        delete(&api, &volume.name, None, None).await?;
-        ctx.metrics.count("volume-deleted");
+    let Some(fresh) = api.get_opt(name).await? else {
+        return Ok(());
+    };
+    let facts = VolumeFacts::of(&fresh, ctx.driver());
+    if !facts.reclaim_delete || facts.node.as_deref() != Some(node) {
+        tracing::info!(
+            volume = name,
+            "not deleted: its reclaim policy or node changed"
+        );
+        return Ok(());
     }
-    if remove_finalizer {
-        let Some(fresh) = api.get_opt(&volume.name).await? else {
-            return Ok(());
+    let preconditions = Preconditions {
+        uid: fresh.metadata.uid.clone(),
+        resource_version: fresh.metadata.resource_version.clone(),
+    };
+    let mut resource_version = fresh.metadata.resource_version.clone();
+    if !facts.deleting {
+        let params = DeleteParams {
+            preconditions: Some(preconditions),
+            ..DeleteParams::default()
         };
-        let finalizers: Vec<String> = fresh
-            .metadata
-            .finalizers
-            .iter()
-            .flatten()
-            .filter(|f| *f != PROVISIONER_FINALIZER)
-            .cloned()
-            .collect();
-        // The resourceVersion makes the patch fail rather than drop a finalizer added since.
-        let patch = serde_json::json!({
-            "metadata": {
-                "resourceVersion": fresh.metadata.resource_version,
-                "finalizers": finalizers,
+        match api.delete(name, &params).await {
+            Ok(either) => {
+                ctx.metrics.count("volume-deleted");
+                // The finalizers keep it, now marked as being deleted, at a new version.
+                resource_version = either
+                    .left()
+                    .and_then(|pv| pv.metadata.resource_version)
+                    .or(resource_version);
             }
-        });
-        match api
-            .patch(&volume.name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-        {
-            Ok(_) => {}
-            Err(kube::Error::Api(e)) if e.code == 404 => return Ok(()),
+            // Gone, or changed since the read: the next reconcile decides again.
+            Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => return Ok(()),
             Err(e) => return Err(e),
         }
-        ctx.metrics.count("finalizer-removed");
-        tracing::info!(volume = %volume.name, "removed {PROVISIONER_FINALIZER}: its node is gone");
     }
-    Ok(())
+    if loss != Loss::NodeDeleted || !facts.provisioner_finalizer {
+        return Ok(());
+    }
+    let finalizers: Vec<String> = fresh
+        .metadata
+        .finalizers
+        .iter()
+        .flatten()
+        .filter(|f| *f != PROVISIONER_FINALIZER)
+        .cloned()
+        .collect();
+    // The resourceVersion makes the patch fail rather than drop a finalizer added since.
+    let patch = serde_json::json!({
+        "metadata": {
+            "resourceVersion": resource_version,
+            "finalizers": finalizers,
+        }
+    });
+    match api
+        .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+    {
+        Ok(_) => {
+            ctx.metrics.count("finalizer-removed");
+            tracing::info!(
+                volume = name,
+                "removed {PROVISIONER_FINALIZER}: its node is gone"
+            );
+            Ok(())
+        }
+        Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => Ok(()),
+        Err(e) => Err(e),
+    }
 }
 
 #[cfg(test)]
@@ -808,7 +989,7 @@ mod tests {
 
     #[test]
     fn lost_for_table() {
-        let not_ready = |s: Option<u64>| Kubelet::NotReady { for_: s.map(S) };
+        let silent = |s: Option<u64>| Kubelet::Silent { for_: s.map(S) };
         for (name, driverless, kubelet, want) in [
             ("driver may run", None, Kubelet::NodeGone, None),
             (
@@ -824,39 +1005,39 @@ mod tests {
                 Some((Loss::NodeDeleted, S(70))),
             ),
             (
-                "heartbeat expired, kubelet Ready: not lost",
+                "heartbeat expired, kubelet reporting (Ready or not): not lost",
                 Some((HeartbeatExpired, S(7000))),
-                Kubelet::Ready,
+                Kubelet::Reporting,
                 None,
             ),
             (
                 "heartbeat expired, kubelet not ready for less",
                 Some((HeartbeatExpired, S(7000))),
-                not_ready(Some(30)),
+                silent(Some(30)),
                 Some((Loss::Silent, S(30))),
             ),
             (
                 "kubelet not ready for longer than the heartbeat",
                 Some((HeartbeatExpired, S(20))),
-                not_ready(Some(300)),
+                silent(Some(300)),
                 Some((Loss::Silent, S(20))),
             ),
             (
-                "no Ready condition",
+                "kubelet silent since an unknown time",
                 Some((HeartbeatExpired, S(20))),
-                not_ready(None),
+                silent(None),
                 Some((Loss::Silent, S(20))),
             ),
             (
                 "label removed: no loss",
                 Some((NotSelectedNoCsiNodeEntry, S(9000))),
-                not_ready(None),
+                silent(None),
                 None,
             ),
             (
                 "caches say gone, API server has it",
                 Some((NodeMissing, S(9000))),
-                not_ready(Some(9000)),
+                silent(Some(9000)),
                 None,
             ),
         ] {
@@ -886,15 +1067,20 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(kubelet_of(None, now), Kubelet::NodeGone);
-        assert_eq!(kubelet_of(Some(&node(Some("True"))), now), Kubelet::Ready);
+        assert_eq!(
+            kubelet_of(Some(&node(Some("True"))), now),
+            Kubelet::Reporting
+        );
+        assert_eq!(
+            kubelet_of(Some(&node(Some("False"))), now),
+            Kubelet::Reporting,
+            "a False Ready comes from a kubelet that runs"
+        );
         assert_eq!(
             kubelet_of(Some(&node(Some("Unknown"))), now),
-            Kubelet::NotReady { for_: Some(S(90)) }
+            Kubelet::Silent { for_: Some(S(90)) }
         );
-        assert_eq!(
-            kubelet_of(Some(&node(None)), now),
-            Kubelet::NotReady { for_: None }
-        );
+        assert_eq!(kubelet_of(Some(&node(None)), now), Kubelet::Reporting);
     }
 
     #[test]
@@ -1044,6 +1230,13 @@ mod tests {
                 },
             ),
             (
+                "claim of that name bound to another volume",
+                &v,
+                ClaimState::Elsewhere,
+                deleted,
+                Verdict::Done,
+            ),
+            (
                 "claim gone, Retain",
                 &volume(false, false, true),
                 ClaimState::Gone,
@@ -1059,6 +1252,57 @@ mod tests {
             ),
         ] {
             assert_eq!(decide(volume, claim, lost, grace), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn the_loss_clock_counts_from_the_loss_it_sees() {
+        let t0 = Instant::now();
+        let mut clock = LossClock::default();
+        // Driverless for hours (label removed, heartbeat gone), deleted only now: lost for 0 s.
+        assert_eq!(
+            clock.observe("n1", Some((Loss::NodeDeleted, S(7200))), t0),
+            Some((Loss::NodeDeleted, S(0)))
+        );
+        assert_eq!(
+            clock.observe("n1", Some((Loss::NodeDeleted, S(7260))), t0 + S(60)),
+            Some((Loss::NodeDeleted, S(60)))
+        );
+        // The view's own duration stays the bound where it is shorter.
+        assert_eq!(
+            clock.observe("n1", Some((Loss::NodeDeleted, S(30))), t0 + S(90)),
+            Some((Loss::NodeDeleted, S(30)))
+        );
+        assert_eq!(clock.lost(), (1, 1));
+        // Another kind of loss starts again; a node back is forgotten.
+        assert_eq!(
+            clock.observe("n1", Some((Loss::Silent, S(900))), t0 + S(100)),
+            Some((Loss::Silent, S(0)))
+        );
+        assert_eq!(clock.lost(), (1, 0));
+        assert_eq!(clock.observe("n1", None, t0 + S(110)), None);
+        assert_eq!(
+            clock.observe("n1", Some((Loss::Silent, S(900))), t0 + S(120)),
+            Some((Loss::Silent, S(0)))
+        );
+    }
+
+    #[test]
+    fn too_many_lost_table() {
+        // (lost, of them deleted, nodes that exist and match the selector, hold back)
+        for (lost, deleted, selected, want) in [
+            (1, 1, 3, false),
+            (1, 1, 1, false),
+            (2, 2, 1, true),
+            (2, 0, 4, false),
+            (3, 0, 4, true),
+            (0, 0, 0, false),
+        ] {
+            assert_eq!(
+                too_many_lost(lost, deleted, selected),
+                want,
+                "{lost} lost ({deleted} deleted) of {selected}"
+            );
         }
     }
 

@@ -22,7 +22,7 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::api::storage::v1::{CSINode, CSIStorageCapacity, StorageClass};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use kube::Api;
-use kube::api::{DeleteParams, ListParams, PostParams};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use testenv::wait::until;
 use testenv::{api_calls, metrics, wait};
 
@@ -931,6 +931,7 @@ async fn s15_silent_driver_loses_capacity_and_waiting_claims() {
     }
     let s = c.scenario("silent-driver").await.expect("scenario");
     let silent = format!("{}-silent", s.namespace);
+    let started = std::time::Instant::now();
     e2e::driver_node(&c.client, &silent, Duration::from_secs(300))
         .await
         .expect("node");
@@ -956,9 +957,118 @@ async fn s15_silent_driver_loses_capacity_and_waiting_claims() {
             .any(|e| e.starts_with("data:") && e.contains("heartbeat-expired")),
         "rescheduled for the expired heartbeat: {rescheduled:?}"
     );
+    if let Some(env) = c.env {
+        silent_node_is_lost_only_once_its_kubelet_is(&c, env, &s, &silent, started).await;
+    }
     e2e::delete_node(&c.client, &silent)
         .await
         .expect("node deleted");
     e2e::delete_lease(&c.client, &silent).await;
     s.finish().await.expect("leak check");
+}
+
+/// The node-loss recovery's reconciles so far (testenv's controller).
+async fn recovery_reconciles(env: &testenv::TestEnv) -> u64 {
+    let (_, admin) = env.controller_ports().expect("controller");
+    metrics::metric_value(
+        &metrics::scrape_metrics(admin).await,
+        "controller_runtime_reconcile_total{controller=\"node-loss-recovery\"",
+    )
+}
+
+/// The rest of 15 on testenv, where the recovery runs (4 s grace): an opted-in volume on the
+/// silent node stays while its kubelet reports Ready, however long past the grace; once Ready
+/// turns Unknown (the kubelet stopped reporting an hour ago) the node is lost: the claim and the
+/// volume are deleted, but external-provisioner's finalizer stays (the Node exists; its driver
+/// may come back to delete the volume).
+async fn silent_node_is_lost_only_once_its_kubelet_is(
+    c: &Cluster,
+    env: &testenv::TestEnv,
+    s: &Scenario,
+    silent: &str,
+    started: std::time::Instant,
+) {
+    let kept = opted_in(test_objects::claim(
+        &s.namespace,
+        "kept",
+        CLASS_NO_ERASE,
+        "64Mi",
+    ));
+    let pv = e2e::volume_on(&c.client, silent, kept)
+        .await
+        .expect("volume");
+    let seen = recovery_reconciles(env).await;
+    until(
+        "the recovery to look again, past its grace",
+        WAIT,
+        || async {
+            let now = recovery_reconciles(env).await;
+            (started.elapsed() > Duration::from_secs(8) && now >= seen + 5)
+                .then_some(())
+                .ok_or(format!("{now} reconciles, {:?}", started.elapsed()))
+        },
+    )
+    .await
+    .expect("reconciled");
+    let claim = s
+        .claims
+        .get("kept")
+        .await
+        .expect("kept while the kubelet reports");
+    assert!(claim.metadata.deletion_timestamp.is_none(), "not deleted");
+    let nodes = Api::<Node>::all(c.client.clone());
+    let an_hour_ago =
+        k8s_openapi::jiff::Timestamp::now() - k8s_openapi::jiff::SignedDuration::from_secs(3600);
+    let status = serde_json::json!({"status": {"conditions": [{
+        "type": "Ready",
+        "status": "Unknown",
+        "reason": "NodeStatusUnknown",
+        "message": "Kubelet stopped posting node status.",
+        "lastTransitionTime": an_hour_ago.to_string(),
+        "lastHeartbeatTime": an_hour_ago.to_string(),
+    }]}});
+    nodes
+        .patch_status(silent, &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .expect("Ready Unknown");
+    wait::wait_gone(&s.claims, "kept", WAIT)
+        .await
+        .expect("the claim deleted once the kubelet is silent too");
+    let pvs = Api::<PersistentVolume>::all(c.client.clone());
+    let volume = until("the volume to be deleted", WAIT, || async {
+        let volume = pvs.get(&pv).await.map_err(|e| e.to_string())?;
+        volume
+            .metadata
+            .deletion_timestamp
+            .is_some()
+            .then_some(volume)
+            .ok_or("not yet".to_string())
+    })
+    .await
+    .expect("volume being deleted");
+    assert!(
+        volume
+            .metadata
+            .finalizers
+            .iter()
+            .flatten()
+            .any(|f| f == controllers::well_known::PROVISIONER_FINALIZER),
+        "the finalizer stays where the Node exists"
+    );
+    let recovered = s.events("NodeLossRecovery").await.expect("events");
+    assert!(
+        recovered
+            .iter()
+            .any(|e| e.starts_with("kept:") && e.contains("driver-and-kubelet-silent")),
+        "{recovered:?}"
+    );
+    // What the driver would do on its return: delete the volume, drop the finalizer.
+    pvs.patch(
+        &pv,
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({"metadata": {"finalizers": null}})),
+    )
+    .await
+    .expect("finalizer removed");
+    wait::wait_gone(&pvs, &pv, WAIT).await.expect("PV gone");
 }
