@@ -233,6 +233,16 @@ impl LivenessView {
         client: &kube::Client,
         node: &str,
     ) -> Result<Option<liveness::DriverlessReason>, kube::Error> {
+        Ok(self.confirm_with_node(client, node).await?.0)
+    }
+
+    /// [`LivenessView::confirm`], and the Node object it read (for callers that judge its
+    /// status too, without reading it again).
+    pub async fn confirm_with_node(
+        &self,
+        client: &kube::Client,
+        node: &str,
+    ) -> Result<(Option<liveness::DriverlessReason>, Option<Node>), kube::Error> {
         let n = Api::<Node>::all(client.clone()).get_opt(node).await?;
         let csinode = Api::<CSINode>::all(client.clone()).get_opt(node).await?;
         let lease = match self.settings.heartbeat {
@@ -249,7 +259,7 @@ impl LivenessView {
             csinode.as_ref(),
             lease.as_ref().map(Option::as_ref),
         );
-        Ok(liveness::driverless_now(&o))
+        Ok((liveness::driverless_now(&o), n))
     }
 }
 

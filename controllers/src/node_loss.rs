@@ -310,10 +310,7 @@ pub fn decide(
     if lost_for < grace {
         return Verdict::Wait(grace - lost_for);
     }
-    // external-provisioner on a node that still exists removes its finalizer itself once the
-    // driver returns; only where the Node is gone can nobody ever do it.
-    let remove_finalizer =
-        |v: &VolumeFacts| loss == Loss::NodeDeleted && v.reclaim_delete && v.provisioner_finalizer;
+    let remove_finalizer = |v: &VolumeFacts| removes_finalizer(loss, v);
     match claim {
         ClaimState::Elsewhere => Verdict::Done,
         ClaimState::Present { opt_in: None } => Verdict::Report { loss },
@@ -333,6 +330,13 @@ pub fn decide(
             remove_finalizer: remove_finalizer(volume),
         },
     }
+}
+
+/// Whether external-provisioner's finalizer is to be removed from `volume` of a node lost as
+/// `loss`: only where the Node is gone (external-provisioner on a node that still exists removes
+/// it itself once the driver returns), and only from a volume whose reclaim policy says Delete.
+pub fn removes_finalizer(loss: Loss, volume: &VolumeFacts) -> bool {
+    loss == Loss::NodeDeleted && volume.reclaim_delete && volume.provisioner_finalizer
 }
 
 /// Whether `pod` uses the claim `claim` of its namespace (as a claim volume, or as the
@@ -598,8 +602,7 @@ impl Context {
         {
             return Ok((*reason, *kubelet));
         }
-        let fresh = Api::<Node>::all(self.client.clone()).get_opt(node).await?;
-        let reason = self.liveness.confirm(&self.client, node).await?;
+        let (reason, fresh) = self.liveness.confirm_with_node(&self.client, node).await?;
         let kubelet = kubelet_of(fresh.as_ref(), k8s_openapi::jiff::Timestamp::now());
         let mut confirmed = self
             .confirmed
@@ -945,7 +948,7 @@ async fn release(ctx: &Context, name: &str, node: &str, loss: Loss) -> Result<()
             Err(e) => return Err(e),
         }
     }
-    if loss != Loss::NodeDeleted || !facts.provisioner_finalizer {
+    if !removes_finalizer(loss, &facts) {
         return Ok(());
     }
     let finalizers: Vec<String> = fresh

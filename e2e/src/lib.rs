@@ -190,6 +190,26 @@ pub async fn delete_node(client: &kube::Client, node: &str) -> Result<(), E2eErr
     Ok(())
 }
 
+/// Drops every finalizer of PV `name` (what external-provisioner does once it deleted the
+/// volume), asks for its deletion, and waits until it is gone.
+pub async fn drop_finalizers_until_gone(client: &kube::Client, name: &str) -> Result<(), E2eError> {
+    let pvs = Api::<PersistentVolume>::all(client.clone());
+    pvs.patch(
+        name,
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(serde_json::json!({"metadata": {"finalizers": null}})),
+    )
+    .await
+    .map_err(api(format!("dropping the finalizers of PV {name}")))?;
+    match pvs.delete(name, &DeleteParams::default()).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 404 => {}
+        Err(e) => return Err(api(format!("deleting PV {name}"))(e)),
+    }
+    testenv::wait::wait_gone(&pvs, name, WAIT).await?;
+    Ok(())
+}
+
 /// Deletes the heartbeat Lease of `node` (the end of a scenario that made one).
 pub async fn delete_lease(client: &kube::Client, node: &str) {
     let _ = Api::<Lease>::namespaced(client.clone(), testenv::manifests::NAMESPACE)

@@ -10,7 +10,7 @@ use controllers::well_known::{PROVISIONER_FINALIZER, RECREATE_ON_NODE_LOSS};
 use e2e::{CLASS_NO_ERASE, WAIT};
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 use kube::Api;
-use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::api::{DeleteParams, PostParams};
 use testenv::wait::until;
 use testenv::{TestEnv, TestEnvBuilder, api_calls, metrics};
 
@@ -154,15 +154,7 @@ async fn dry_run_reports_and_changes_nothing() {
         .delete("data", &DeleteParams::default())
         .await
         .expect("delete claim");
-    pvs.patch(
-        &pv,
-        &PatchParams::default(),
-        &Patch::Merge(serde_json::json!({"metadata": {"finalizers": null}})),
-    )
-    .await
-    .expect("finalizers removed");
-    let _ = pvs.delete(&pv, &DeleteParams::default()).await;
-    testenv::wait::wait_gone(&pvs, &pv, WAIT)
+    e2e::drop_finalizers_until_gone(&client, &pv)
         .await
         .expect("PV gone");
     e2e::delete_lease(&client, &lost).await;

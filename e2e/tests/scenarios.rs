@@ -1063,12 +1063,7 @@ async fn silent_node_is_lost_only_once_its_kubelet_is(
         "{recovered:?}"
     );
     // What the driver would do on its return: delete the volume, drop the finalizer.
-    pvs.patch(
-        &pv,
-        &PatchParams::default(),
-        &Patch::Merge(serde_json::json!({"metadata": {"finalizers": null}})),
-    )
-    .await
-    .expect("finalizer removed");
-    wait::wait_gone(&pvs, &pv, WAIT).await.expect("PV gone");
+    e2e::drop_finalizers_until_gone(&c.client, &pv)
+        .await
+        .expect("PV gone");
 }
