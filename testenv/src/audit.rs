@@ -13,14 +13,19 @@ use crate::manifests::Rendered;
 /// Where each test binary's API server writes its audit log (one file per testenv), when set.
 pub const AUDIT_DIR_ENV: &str = "PMEM_CSI_AUDIT_DIR";
 
-/// The audit policy: request metadata of the ServiceAccounts in `namespace`, nothing else.
-pub fn policy(namespace: &str) -> String {
+/// The audit policy: request metadata of the ServiceAccounts in `namespaces`, nothing else.
+pub fn policy(namespaces: &[&str]) -> String {
+    let groups = namespaces
+        .iter()
+        .map(|n| format!("\"system:serviceaccounts:{n}\""))
+        .collect::<Vec<_>>()
+        .join(", ");
     format!(
         "apiVersion: audit.k8s.io/v1\n\
          kind: Policy\n\
          omitStages: [RequestReceived]\n\
          rules:\n\
-         - level: Metadata\n  userGroups: [\"system:serviceaccounts:{namespace}\"]\n\
+         - level: Metadata\n  userGroups: [{groups}]\n\
          - level: None\n"
     )
 }
@@ -38,6 +43,8 @@ pub struct Request {
     pub resource: String,
     /// Object name, when the request names one.
     pub name: String,
+    /// The object's namespace (empty for cluster-scoped objects and cluster-wide lists).
+    pub namespace: String,
     /// The authorizer's decision (`allow`, `forbid`), when recorded.
     pub decision: String,
     /// HTTP status code of the response.
@@ -76,6 +83,8 @@ struct RawObjectRef {
     api_group: String,
     #[serde(default)]
     name: String,
+    #[serde(default)]
+    namespace: String,
 }
 
 #[derive(Deserialize)]
@@ -93,16 +102,21 @@ pub fn parse_log(text: &str) -> (Vec<Request>, Vec<String>) {
     for line in text.lines().filter(|l| !l.trim().is_empty()) {
         match serde_json::from_str::<RawEvent>(line) {
             Ok(event) => {
-                let (group, resource, name) = match event.object_ref {
+                let (group, resource, name, namespace) = match event.object_ref {
                     Some(o) => {
                         let resource = if o.subresource.is_empty() {
                             o.resource
                         } else {
                             format!("{}/{}", o.resource, o.subresource)
                         };
-                        (o.api_group, resource, o.name)
+                        (o.api_group, resource, o.name, o.namespace)
                     }
-                    None => (String::new(), event.request_uri, String::new()),
+                    None => (
+                        String::new(),
+                        event.request_uri,
+                        String::new(),
+                        String::new(),
+                    ),
                 };
                 requests.push(Request {
                     user: event.user.username,
@@ -110,6 +124,7 @@ pub fn parse_log(text: &str) -> (Vec<Request>, Vec<String>) {
                     group,
                     resource,
                     name,
+                    namespace,
                     decision: event
                         .annotations
                         .get("authorization.k8s.io/decision")
@@ -317,6 +332,8 @@ subjects: [{kind: ServiceAccount, name: controller, namespace: pmem-csi}]
         assert_eq!(requests[3].resource, "pods/status");
         assert_eq!(requests[4].resource, "/version");
         assert_eq!(requests[1].name, "hb-node-1");
+        assert_eq!(requests[1].namespace, "pmem-csi");
+        assert_eq!(requests[4].namespace, "");
     }
 
     #[test]

@@ -161,12 +161,17 @@ impl ControlPlane {
 
         // kube-apiserver, auditing our ServiceAccounts' requests (tests/least_privilege.rs).
         let audit_policy = certs.join("audit-policy.yaml");
-        std::fs::write(&audit_policy, audit::policy(crate::manifests::NAMESPACE)).map_err(
-            |source| ControlPlaneError::Write {
-                path: audit_policy.clone(),
-                source,
-            },
-        )?;
+        std::fs::write(
+            &audit_policy,
+            audit::policy(&[
+                crate::manifests::NAMESPACE,
+                crate::instance::SECOND_NAMESPACE,
+            ]),
+        )
+        .map_err(|source| ControlPlaneError::Write {
+            path: audit_policy.clone(),
+            source,
+        })?;
         let audit_log = if shared_audit {
             audit_log_path(&logs)?
         } else {

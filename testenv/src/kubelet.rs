@@ -103,6 +103,8 @@ pub fn inline_volume_id(uid: &str, volume: &str) -> String {
 /// One volume of our driver in a pod, as kubelet mounts it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PodVolume {
+    /// The CSI driver that serves it.
+    pub driver: String,
     /// The pod's name for the volume.
     pub name: String,
     /// The CSI volume id.
@@ -164,12 +166,12 @@ pub enum Pending {
     VolumeMissing(String),
 }
 
-/// The volumes of `driver` that kubelet of `dirs` mounts for `pod`, in the pod's order, given the
-/// claims of the pod's namespace and the PVs by name. Volumes of other drivers and kinds are
+/// The volumes of `drivers` that kubelet of `dirs` mounts for `pod`, in the pod's order, given
+/// the claims of the pod's namespace and the PVs by name. Volumes of other drivers and kinds are
 /// not kubelet's business here.
 pub fn pod_volumes(
     pod: &Pod,
-    driver: &str,
+    drivers: &[&str],
     dirs: &KubeletDirs,
     claims: &BTreeMap<String, PersistentVolumeClaim>,
     pvs: &BTreeMap<String, PersistentVolume>,
@@ -201,13 +203,14 @@ pub fn pod_volumes(
     let mut out = Vec::new();
     for volume in spec.volumes.iter().flatten() {
         if let Some(csi) = volume.csi.as_ref() {
-            if csi.driver != driver {
+            if !drivers.contains(&csi.driver.as_str()) {
                 continue;
             }
             let attributes = csi.volume_attributes.clone().unwrap_or_default();
             let mut publish_context = attributes;
             publish_context.extend(pod_info(true));
             out.push(PodVolume {
+                driver: csi.driver.clone(),
                 name: volume.name.clone(),
                 volume_id: inline_volume_id(uid, &volume.name),
                 pv: None,
@@ -245,7 +248,11 @@ pub fn pod_volumes(
         let Some(pv_spec) = pv.spec.as_ref() else {
             return Err(Pending::VolumeMissing(pv_name));
         };
-        let Some(source) = pv_spec.csi.as_ref().filter(|c| c.driver == driver) else {
+        let Some(source) = pv_spec
+            .csi
+            .as_ref()
+            .filter(|c| drivers.contains(&c.driver.as_str()))
+        else {
             continue;
         };
         let block = pv_spec.volume_mode.as_deref() == Some("Block");
@@ -259,11 +266,12 @@ pub fn pod_volumes(
             )
         } else {
             (
-                dirs.mount_staging(driver, &source.volume_handle),
+                dirs.mount_staging(&source.driver, &source.volume_handle),
                 dirs.mount_target(uid, &pv_name),
             )
         };
         out.push(PodVolume {
+            driver: source.driver.clone(),
             name: volume.name.clone(),
             volume_id: source.volume_handle.clone(),
             pv: Some(pv_name),
@@ -319,7 +327,7 @@ impl StageUsers {
 pub struct KubeletNode {
     /// Node name.
     pub name: String,
-    /// The driver's socket on that node.
+    /// The socket of the kubelet's first driver on that node.
     pub socket: PathBuf,
     /// The node's kubelet directories.
     pub dirs: KubeletDirs,
@@ -359,11 +367,15 @@ struct Shared {
     staged: StageUsers,
 }
 
+/// The CSI sockets kubelet knows: per driver, per node (what node-driver-registrar registers).
+type Sockets = BTreeMap<String, BTreeMap<String, PathBuf>>;
+
 /// The simulated kubelet of a set of nodes (see the module documentation).
 #[derive(Clone)]
 pub struct Kubelet {
     client: kube::Client,
     driver: String,
+    sockets: Arc<Mutex<Sockets>>,
     nodes: Arc<BTreeMap<String, KubeletNode>>,
     shared: Arc<Mutex<Shared>>,
     shutdown: CancellationToken,
@@ -388,9 +400,17 @@ impl Kubelet {
         nodes: Vec<KubeletNode>,
         shutdown: CancellationToken,
     ) -> Self {
+        let sockets = BTreeMap::from([(
+            driver.to_string(),
+            nodes
+                .iter()
+                .map(|n| (n.name.clone(), n.socket.clone()))
+                .collect(),
+        )]);
         let kubelet = Self {
             client,
             driver: driver.to_string(),
+            sockets: Arc::new(Mutex::new(sockets)),
             nodes: Arc::new(nodes.into_iter().map(|n| (n.name.clone(), n)).collect()),
             shared: Arc::default(),
             watching: shutdown.child_token(),
@@ -398,6 +418,36 @@ impl Kubelet {
         };
         tokio::spawn(kubelet.clone().watch());
         kubelet
+    }
+
+    /// Serves the volumes of one more driver, through `sockets` (node, socket), as kubelet does
+    /// once a second driver's node-driver-registrar registers it; pods whose set-up began
+    /// before are not revisited.
+    pub fn serve_driver(&self, driver: &str, sockets: impl IntoIterator<Item = (String, PathBuf)>) {
+        self.lock_sockets()
+            .insert(driver.to_string(), sockets.into_iter().collect());
+    }
+
+    /// Stops serving `driver`'s volumes, as kubelet does when its plugin goes away.
+    pub fn forget_driver(&self, driver: &str) {
+        self.lock_sockets().remove(driver);
+    }
+
+    fn lock_sockets(&self) -> std::sync::MutexGuard<'_, Sockets> {
+        self.sockets.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The socket of `driver` on `node`.
+    fn socket(&self, driver: &str, node: &str) -> Result<PathBuf, String> {
+        self.lock_sockets()
+            .get(driver)
+            .and_then(|nodes| nodes.get(node))
+            .cloned()
+            .ok_or_else(|| {
+                format!(
+                    "driver name {driver} not found in the list of registered CSI drivers on {node}"
+                )
+            })
     }
 
     /// The volumes set up for pod `uid` so far.
@@ -566,8 +616,10 @@ impl Kubelet {
         let claim_api = Api::<PersistentVolumeClaim>::namespaced(self.client.clone(), namespace);
         let pv_api = Api::<PersistentVolume>::all(self.client.clone());
         // Fetch what the pure planner asks for until it stops asking.
+        let drivers: Vec<String> = self.lock_sockets().keys().cloned().collect();
+        let drivers: Vec<&str> = drivers.iter().map(String::as_str).collect();
         loop {
-            match pod_volumes(pod, &self.driver, &node.dirs, &claims, &pvs) {
+            match pod_volumes(pod, &drivers, &node.dirs, &claims, &pvs) {
                 Ok(v) => return Ok(v),
                 Err(Pending::ClaimMissing(c)) if !claims.contains_key(&c) => {
                     match claim_api.get_opt(&c).await.map_err(|e| e.to_string())? {
@@ -592,9 +644,10 @@ impl Kubelet {
         uid: &str,
         volume: &PodVolume,
     ) -> Result<Mounted, String> {
-        let channel = driver::client::connect(&node.socket)
+        let socket = self.socket(&volume.driver, &node.name)?;
+        let channel = driver::client::connect(&socket)
             .await
-            .map_err(|e| format!("connecting to {}: {e}", node.socket.display()))?;
+            .map_err(|e| format!("connecting to {}: {e}", socket.display()))?;
         let mut csi = NodeClient::new(channel);
         let mut staged_in = None;
         if let Some(staging) = &volume.staging {
@@ -760,9 +813,10 @@ impl Kubelet {
     }
 
     async fn unpublish(&self, node: &KubeletNode, volume: &PodVolume) -> Result<(), String> {
-        let channel = driver::client::connect(&node.socket)
+        let socket = self.socket(&volume.driver, &node.name)?;
+        let channel = driver::client::connect(&socket)
             .await
-            .map_err(|e| format!("connecting to {}: {e}", node.socket.display()))?;
+            .map_err(|e| format!("connecting to {}: {e}", socket.display()))?;
         NodeClient::new(channel)
             .node_unpublish_volume(NodeUnpublishVolumeRequest {
                 volume_id: volume.volume_id.clone(),
@@ -781,9 +835,10 @@ impl Kubelet {
         let Some(staging) = &volume.staging else {
             return Ok(());
         };
-        let channel = driver::client::connect(&node.socket)
+        let socket = self.socket(&volume.driver, &node.name)?;
+        let channel = driver::client::connect(&socket)
             .await
-            .map_err(|e| format!("connecting to {}: {e}", node.socket.display()))?;
+            .map_err(|e| format!("connecting to {}: {e}", socket.display()))?;
         NodeClient::new(channel)
             .node_unstage_volume(NodeUnstageVolumeRequest {
                 volume_id: volume.volume_id.clone(),
@@ -976,7 +1031,7 @@ mod tests {
         ]);
         let claims = BTreeMap::from([claim("c1", Some("pv1"))]);
         let pvs = BTreeMap::from([pv("pv1", DRIVER, None)]);
-        let planned = pod_volumes(&pod, DRIVER, &dirs(), &claims, &pvs).expect("planned");
+        let planned = pod_volumes(&pod, &[DRIVER], &dirs(), &claims, &pvs).expect("planned");
         assert_eq!(planned.len(), 2);
         let data = &planned[0];
         assert_eq!(data.volume_id, "handle-pv1");
@@ -1028,7 +1083,7 @@ mod tests {
         }]);
         let claims = BTreeMap::from([claim("app-dev", Some("pv2"))]);
         let pvs = BTreeMap::from([pv("pv2", DRIVER, Some("Block"))]);
-        let planned = pod_volumes(&pod, DRIVER, &dirs(), &claims, &pvs).expect("planned");
+        let planned = pod_volumes(&pod, &[DRIVER], &dirs(), &claims, &pvs).expect("planned");
         assert_eq!(planned.len(), 1);
         assert!(planned[0].block);
         assert_eq!(planned[0].staging, Some(dirs().block_staging("pv2")));
@@ -1093,13 +1148,13 @@ mod tests {
             ),
         ];
         for (pod, claims, pvs, want) in cases {
-            let got = pod_volumes(pod, DRIVER, &dirs(), &claims, &pvs).map(|v| v.len());
+            let got = pod_volumes(pod, &[DRIVER], &dirs(), &claims, &pvs).map(|v| v.len());
             assert_eq!(got, want, "claims {:?}", claims.keys().collect::<Vec<_>>());
         }
         let mut anonymous = with_claim.clone();
         anonymous.metadata.uid = None;
         assert_eq!(
-            pod_volumes(&anonymous, DRIVER, &dirs(), &none, &BTreeMap::new()),
+            pod_volumes(&anonymous, &[DRIVER], &dirs(), &none, &BTreeMap::new()),
             Err(Pending::Incomplete)
         );
     }

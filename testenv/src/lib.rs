@@ -12,6 +12,7 @@ pub mod csi_client;
 pub mod csi_sanity;
 pub mod fault_proxy;
 pub mod http_client;
+pub mod instance;
 pub mod json_log;
 pub mod kubeconfig;
 pub mod kubelet;
@@ -91,6 +92,9 @@ pub enum TestEnvError {
     /// An API call during start-up.
     #[error("setting up the cluster: {0}")]
     Api(#[from] kube::Error),
+    /// Something testenv waited for did not happen.
+    #[error(transparent)]
+    Timeout(#[from] wait::Timeout),
     /// The work directory.
     #[error("creating work directory under {parent}: {source}")]
     WorkDir {

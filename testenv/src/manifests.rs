@@ -56,6 +56,14 @@ pub enum ManifestError {
         /// Why.
         reason: String,
     },
+    /// helm could not be run or failed.
+    #[error("helm template {chart}: {reason}")]
+    Helm {
+        /// The chart.
+        chart: PathBuf,
+        /// Why.
+        reason: String,
+    },
     /// The rendered output is not YAML of objects.
     #[error("rendered manifests: {0}")]
     Parse(String),
@@ -65,7 +73,7 @@ pub enum ManifestError {
         /// Workload kind.
         kind: &'static str,
         /// Workload name.
-        name: &'static str,
+        name: String,
         /// Container name.
         container: &'static str,
     },
@@ -95,22 +103,25 @@ pub enum OurContainer {
 }
 
 impl OurContainer {
-    /// (workload kind, workload name, container name) in the rendered manifests.
-    pub fn location(self) -> (&'static str, &'static str, &'static str) {
-        match self {
-            OurContainer::NodeDriver => ("DaemonSet", "pmem-csi-intel-com-node", "pmem-driver"),
-            OurContainer::Provisioner => (
-                "DaemonSet",
-                "pmem-csi-intel-com-node",
-                "external-provisioner",
-            ),
-            OurContainer::Controller => {
-                ("Deployment", "pmem-csi-intel-com-controller", "pmem-driver")
-            }
-            OurContainer::Resizer => ("Deployment", "pmem-csi-intel-com-controller", "csi-resizer"),
-            OurContainer::Extender => ("DaemonSet", "pmem-csi-intel-com-extender", "pmem-extender"),
-        }
+    /// (workload kind, workload name, container name) in manifests whose object names start
+    /// with `prefix` (the driver name with dashes: `pmem-csi-intel-com`, or a second
+    /// instance's, such as `second-pmem-csi-intel-com`).
+    pub fn location(self, prefix: &str) -> (&'static str, String, &'static str) {
+        let (kind, suffix, container) = match self {
+            OurContainer::NodeDriver => ("DaemonSet", "node", "pmem-driver"),
+            OurContainer::Provisioner => ("DaemonSet", "node", "external-provisioner"),
+            OurContainer::Controller => ("Deployment", "controller", "pmem-driver"),
+            OurContainer::Resizer => ("Deployment", "controller", "csi-resizer"),
+            OurContainer::Extender => ("DaemonSet", "extender", "pmem-extender"),
+        };
+        (kind, format!("{prefix}-{suffix}"), container)
     }
+}
+
+/// The manifests' object-name prefix for driver `driver_name`: its dots become dashes
+/// (`pmem-csi.intel.com` → `pmem-csi-intel-com`), as the manifests and the chart name them.
+pub fn object_prefix(driver_name: &str) -> String {
+    driver_name.replace('.', "-")
 }
 
 /// Where an environment variable's value comes from.
@@ -487,15 +498,38 @@ impl Rendered {
             .filter(|s| !s.is_null())
     }
 
+    /// The driver name of the rendered CSIDriver (the default's when there is none).
+    pub fn driver_name(&self) -> &str {
+        self.of_kinds(&["CSIDriver"])
+            .next()
+            .and_then(|o| o["metadata"]["name"].as_str())
+            .unwrap_or(crate::nodes::DEFAULT_DRIVER_NAME)
+    }
+
+    /// The prefix of the rendered objects' names (see [`object_prefix`]).
+    pub fn prefix(&self) -> String {
+        object_prefix(self.driver_name())
+    }
+
+    /// The namespace the rendered workloads install into (the node DaemonSet's; [`NAMESPACE`]
+    /// when it names none).
+    pub fn namespace(&self) -> String {
+        let (kind, name, _) = OurContainer::NodeDriver.location(&self.prefix());
+        self.object(kind, &name)
+            .and_then(|o| o["metadata"]["namespace"].as_str())
+            .unwrap_or(NAMESPACE)
+            .to_string()
+    }
+
     /// The container `which`, as a process would run it.
     pub fn launch(&self, which: OurContainer) -> Result<Launch, ManifestError> {
-        let (kind, name, container) = which.location();
+        let (kind, name, container) = which.location(&self.prefix());
         let missing = || ManifestError::MissingContainer {
             kind,
-            name,
+            name: name.clone(),
             container,
         };
-        let spec = self.pod_spec(kind, name).ok_or_else(missing)?;
+        let spec = self.pod_spec(kind, &name).ok_or_else(missing)?;
         let c = spec["containers"]
             .as_sequence()
             .into_iter()
@@ -609,6 +643,38 @@ pub fn relative(from: &Path, target: &Path) -> PathBuf {
         path.push("..");
     }
     path.join(target.strip_prefix("/").unwrap_or(target))
+}
+
+/// The chart's objects as `helm install release chart -n namespace -f values…` would create
+/// them: `helm template` (whose output is what install sends, hooks aside: the chart has none).
+pub fn helm_template(
+    helm: &Path,
+    chart: &Path,
+    release: &str,
+    namespace: &str,
+    values: &[PathBuf],
+) -> Result<Rendered, ManifestError> {
+    let mut command = Command::new(helm);
+    command
+        .args(["template", release])
+        .arg(chart)
+        .args(["--namespace", namespace]);
+    for file in values {
+        command.arg("--values").arg(file);
+    }
+    let error = |reason: String| ManifestError::Helm {
+        chart: chart.to_path_buf(),
+        reason,
+    };
+    let output = command
+        .output()
+        .map_err(|e| error(format!("{}: {e}", helm.display())))?;
+    if !output.status.success() {
+        return Err(error(
+            String::from_utf8_lossy(&output.stderr).trim().to_string(),
+        ));
+    }
+    Rendered::from_yaml(&String::from_utf8_lossy(&output.stdout))
 }
 
 /// Runs `kubectl kustomize dir`.

@@ -173,7 +173,7 @@ pub fn driver_process(
     options: &DriverOptions,
     kubeconfig: &Path,
 ) -> Result<ProcessSpec, ManifestError> {
-    let pod = node_pod(node);
+    let pod = node_pod(manifests, node);
     let mut overrides = Overrides::new();
     if driver_name != crate::nodes::DEFAULT_DRIVER_NAME {
         overrides = overrides.set("--driver-name", driver_name);
@@ -194,11 +194,11 @@ pub fn driver_process(
     Ok(spec)
 }
 
-/// What a node DaemonSet pod on `node` knows about itself.
-fn node_pod(node: &str) -> PodFacts {
+/// What a node DaemonSet pod of `manifests` on `node` knows about itself.
+fn node_pod(manifests: &Rendered, node: &str) -> PodFacts {
     PodFacts {
-        name: format!("pmem-csi-intel-com-node-{node}"),
-        namespace: DRIVER_NAMESPACE.into(),
+        name: format!("{}-node-{node}", manifests.prefix()),
+        namespace: manifests.namespace(),
         node_name: node.into(),
     }
 }
@@ -330,7 +330,7 @@ impl NodeLauncher {
                 OurContainer::Provisioner,
                 &format!("{}/csi-provisioner", node.name),
                 &self.tools.go("csi-provisioner"),
-                &node_pod(&node.name),
+                &node_pod(&self.manifests, &node.name),
                 format!("{}-csi-provisioner.log", node.name),
                 &provisioner_overrides(&dirs.socket, kubeconfig),
             )
