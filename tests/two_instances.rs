@@ -358,6 +358,21 @@ async fn a_second_instance_from_the_chart_provisions_beside_the_first_and_uninst
         );
     }
 
+    // The chart's RBAC is enough for the second instance (the kustomize instance's is judged by
+    // tests/least_privilege.rs over the whole run).
+    for account in [
+        "second-pmem-csi-intel-com-node",
+        "second-pmem-csi-intel-com-controller",
+    ] {
+        let user = audit::service_account_user(SECOND_NAMESPACE, account);
+        assert!(
+            requests.iter().any(|r| r.user == user),
+            "{account} made no request"
+        );
+        let denied = audit::denials(&requests, &user);
+        assert!(denied.is_empty(), "{account} was denied: {denied:?}");
+    }
+
     // Uninstalled, the second leaves nothing; the first goes on.
     let rendered_classes: Vec<String> = second
         .rendered()
