@@ -59,6 +59,16 @@ impl Scale {
         }
     }
 
+    /// The start-up burst alone with `pods` pods on `nodes` nodes; more than 10 nodes run the
+    /// fake backend (no loop device or file system per volume).
+    pub fn startup(nodes: usize, pods: usize) -> Self {
+        Self {
+            startup_nodes: nodes,
+            startup_pods: pods,
+            ..Self::full()
+        }
+    }
+
     /// What `just test` smoke-runs.
     pub fn smoke() -> Self {
         Self {
@@ -311,12 +321,154 @@ async fn stop(env: TestEnv) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The pmem-csi share of the start-up benchmark's target: time inside our components on the
+/// claims' critical path, in percent of their created → Running time.
+const OWN_SHARE_TARGET_PERCENT: f64 = 5.0;
+
+/// Sum of the samples of every series of metric `name` (a `_sum` or `_count`) in `text`
+/// whose labels contain `labels`.
+fn metric_sum(text: &str, name: &str, labels: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && l.contains(labels))
+        .filter(|l| l[name.len()..].starts_with(['{', ' ']))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Seconds our webhook and extender spent answering, from their metrics.
+async fn served_seconds(env: &TestEnv) -> (f64, f64) {
+    let webhook = match env.controller_ports() {
+        Some((_, admin)) => metric_sum(
+            &testenv::metrics::scrape_metrics(admin).await,
+            "controller_runtime_webhook_latency_seconds_sum",
+            "",
+        ),
+        None => 0.0,
+    };
+    let extender = match env.extender_addresses() {
+        Some((_, admin)) => metric_sum(
+            &testenv::metrics::scrape_metrics(admin.port()).await,
+            "pmem_csi_extender_request_duration_seconds_sum",
+            "",
+        ),
+        None => 0.0,
+    };
+    (webhook, extender)
+}
+
+/// The seconds of successful `method` calls in every node driver's JSON log.
+fn driver_rpc_seconds(env: &TestEnv, method: &str) -> Vec<f64> {
+    env.nodes()
+        .iter()
+        .flat_map(|n| {
+            testenv::json_log::rpc_durations(
+                &env.dir().join(format!("logs/{}-pmem-csi.log", n.name)),
+                method,
+            )
+        })
+        .map(|d| d.as_secs_f64())
+        .collect()
+}
+
+/// Requests of the node ServiceAccount (the drivers and csi-provisioners) the API server has
+/// audited so far.
+fn node_account_requests(env: &TestEnv) -> usize {
+    let user = testenv::audit::service_account_user(
+        testenv::manifests::NAMESPACE,
+        "pmem-csi-intel-com-node",
+    );
+    let text = std::fs::read_to_string(env.audit_log()).unwrap_or_default();
+    testenv::audit::parse_log(&text)
+        .0
+        .iter()
+        .filter(|r| r.user == user)
+        .count()
+}
+
+/// One setting of the csi-provisioner sidecar and kube-controller-manager for
+/// [`pod_startup_with`].
+#[derive(Clone, Debug)]
+pub struct StartupSetting {
+    /// Short name for the benchmark rows (`shipped`, `provisioner-qps-20-burst-40`, …).
+    pub label: String,
+    /// Changes to the shipped csi-provisioner container's command line (empty: as shipped).
+    pub provisioner_args: Vec<String>,
+    /// Extra kube-controller-manager flags (empty: its defaults, qps 20, burst 30).
+    pub controller_manager_args: Vec<String>,
+}
+
+impl StartupSetting {
+    /// The shipped manifests' settings, kube-controller-manager's defaults.
+    pub fn shipped() -> Self {
+        Self {
+            label: "shipped".into(),
+            provisioner_args: Vec::new(),
+            controller_manager_args: Vec::new(),
+        }
+    }
+
+    /// What `--startup-sweep` compares: the shipped settings first, then larger client budgets
+    /// for the provisioners, for kube-controller-manager (whose PV binder binds every claim),
+    /// and for both.
+    pub fn sweep() -> Vec<Self> {
+        let strings = |args: &[&str]| args.iter().map(|a| a.to_string()).collect::<Vec<_>>();
+        let setting = |label: &str, provisioner: &[&str], kcm: &[&str]| Self {
+            label: label.into(),
+            provisioner_args: strings(provisioner),
+            controller_manager_args: strings(kcm),
+        };
+        let kcm = ["--kube-api-qps=100", "--kube-api-burst=200"];
+        vec![
+            Self::shipped(),
+            setting(
+                "provisioner-qps-20-burst-40",
+                &["--kube-api-qps=20", "--kube-api-burst=40"],
+                &[],
+            ),
+            setting(
+                "provisioner-qps-50-burst-100-workers-10",
+                &["--kube-api-qps=50", "--kube-api-burst=100", "--worker-threads=10"],
+                &[],
+            ),
+            setting("kcm-qps-100-burst-200", &[], &kcm),
+            setting(
+                "kcm-qps-100-provisioner-qps-20",
+                &["--kube-api-qps=20", "--kube-api-burst=40"],
+                &kcm,
+            ),
+        ]
+    }
+
+    fn is_shipped(&self) -> bool {
+        self.provisioner_args.is_empty() && self.controller_manager_args.is_empty()
+    }
+}
+
 /// The pod start-up benchmark: with claims, then without volumes, on the same testenv.
 pub async fn pod_startup(scale: &Scale) -> anyhow::Result<Vec<Benchmark>> {
+    pod_startup_with(scale, &StartupSetting::shipped(), true).await
+}
+
+/// The pod start-up benchmark under provisioner `setting`: the burst with claims, its stages
+/// and pmem-csi's own share of it, and (`baseline`) the same burst without volumes.
+pub async fn pod_startup_with(
+    scale: &Scale,
+    setting: &StartupSetting,
+    baseline: bool,
+) -> anyhow::Result<Vec<Benchmark>> {
     let nodes = (1..=scale.startup_nodes)
         .map(|i| NodeSpec::with_driver(format!("node-{i}")))
         .collect();
-    let env = full_stack(nodes, 600)
+    let mut builder = full_stack(nodes, 600);
+    if let Some(options) = builder.driver_options_mut() {
+        options.provisioner_args.clone_from(&setting.provisioner_args);
+        if scale.startup_nodes > 10 {
+            // Hundreds of nodes: no loop device and file system per volume.
+            options.device_mode = "fake".into();
+        }
+    }
+    let env = builder
+        .controller_manager_args(setting.controller_manager_args.clone())
         .extender(Vec::<String>::new())
         .controller(Vec::<String>::new())
         .start()
@@ -326,7 +478,22 @@ pub async fn pod_startup(scale: &Scale) -> anyhow::Result<Vec<Benchmark>> {
     let size = "16Mi";
     let mut out = Vec::new();
     let mut totals = Vec::new();
-    for with_claims in [true, false] {
+    let runs: &[bool] = if baseline { &[true, false] } else { &[true] };
+    let row = |name: &str| {
+        if setting.is_shipped() {
+            name.to_string()
+        } else {
+            format!("{name}-{}", setting.label)
+        }
+    };
+    let mut flags = qps_flags(&env);
+    flags["changed"] = serde_json::json!({
+        "csi-provisioner": setting.provisioner_args.join(" "),
+        "kube-controller-manager": setting.controller_manager_args.join(" "),
+    });
+    for &with_claims in runs {
+        let served_before = served_seconds(&env).await;
+        let requests_before = node_account_requests(&env);
         let ns = testenv::test_namespace(&client, "startup").await?;
         let timeline = Shared::default();
         let watching = CancellationToken::new();
@@ -345,8 +512,33 @@ pub async fn pod_startup(scale: &Scale) -> anyhow::Result<Vec<Benchmark>> {
         watching.cancel();
         anyhow::ensure!(all, "not every pod of the burst ran within 10 minutes");
         totals.push(took.as_secs_f64());
+        let served_after = served_seconds(&env).await;
+        let requests = node_account_requests(&env) - requests_before;
         let t = lock(&timeline);
         if with_claims {
+            out.push(own_share(
+                &env,
+                &t,
+                (
+                    served_after.0 - served_before.0,
+                    served_after.1 - served_before.1,
+                ),
+                &row("startup-own-share"),
+                scale,
+                flags.clone(),
+            ));
+            out.push(Benchmark {
+                name: row("startup-node-account-requests-per-s"),
+                description: format!(
+                    "API requests per second of the node ServiceAccount (drivers and csi-provisioners of all {} nodes) over the burst with claims (audit log)",
+                    scale.startup_nodes
+                ),
+                unit: "req/s".into(),
+                samples: vec![requests as f64 / took.as_secs_f64()],
+                secondary: vec![requests as f64],
+                target: Target::none(),
+                flags: flags.clone(),
+            });
             let stages = [
                 (
                     "startup-claim-created-to-bound",
@@ -376,7 +568,7 @@ pub async fn pod_startup(scale: &Scale) -> anyhow::Result<Vec<Benchmark>> {
             ];
             for (name, description, samples) in stages {
                 out.push(Benchmark {
-                    name: name.into(),
+                    name: row(name),
                     description: format!(
                         "{description}; {} pods on {} nodes in one burst",
                         scale.startup_pods, scale.startup_nodes
@@ -385,7 +577,7 @@ pub async fn pod_startup(scale: &Scale) -> anyhow::Result<Vec<Benchmark>> {
                     samples,
                     secondary: Vec::new(),
                     target: Target::none(),
-                    flags: qps_flags(&env),
+                    flags: flags.clone(),
                 });
             }
         } else {
@@ -403,19 +595,9 @@ pub async fn pod_startup(scale: &Scale) -> anyhow::Result<Vec<Benchmark>> {
             });
         }
     }
-    let create_volume: Vec<f64> = env
-        .nodes()
-        .iter()
-        .flat_map(|n| {
-            testenv::json_log::rpc_durations(
-                &env.dir().join(format!("logs/{}-pmem-csi.log", n.name)),
-                "CreateVolume",
-            )
-        })
-        .map(|d| d.as_secs_f64())
-        .collect();
+    let create_volume = driver_rpc_seconds(&env, "CreateVolume");
     out.push(Benchmark {
-        name: "startup-stage-create-volume".into(),
+        name: row("startup-stage-create-volume"),
         description: format!(
             "CreateVolume in the node driver (its own log), per claim of the burst ({size}, ext4 class without erase)"
         ),
@@ -423,22 +605,64 @@ pub async fn pod_startup(scale: &Scale) -> anyhow::Result<Vec<Benchmark>> {
         samples: create_volume,
         secondary: Vec::new(),
         target: Target::none(),
-        flags: qps_flags(&env),
+        flags: flags.clone(),
     });
     out.push(Benchmark {
-        name: "startup-burst-total".into(),
+        name: row("startup-burst-total"),
         description: format!(
             "first create → every pod Running for {} pods with one {size} claim each on {} nodes; secondary: the same pods without volumes",
             scale.startup_pods, scale.startup_nodes
         ),
         unit: "s".into(),
         samples: vec![totals[0]],
-        secondary: vec![totals[1]],
+        secondary: totals.get(1).copied().into_iter().collect(),
         target: Target::none(),
-        flags: qps_flags(&env),
+        flags,
     });
     stop(env).await?;
     Ok(out)
+}
+
+/// pmem-csi's share of the burst: the seconds our webhook and extender spent answering
+/// (`served`, from their metrics), CreateVolume, NodeStageVolume and NodePublishVolume in the
+/// drivers (their logs), against the sum of every claim's created → Running. Each of those is
+/// on a claim's critical path (the scheduler waits for the extender, the provisioner for
+/// CreateVolume, kubelet for the node calls); the capacity publisher is not (it runs beside).
+fn own_share(
+    env: &TestEnv,
+    t: &Timeline,
+    (webhook, extender): (f64, f64),
+    name: &str,
+    scale: &Scale,
+    mut flags: serde_json::Value,
+) -> Benchmark {
+    let create: f64 = driver_rpc_seconds(env, "CreateVolume").iter().sum();
+    let stage: f64 = driver_rpc_seconds(env, "NodeStageVolume").iter().sum();
+    let publish: f64 = driver_rpc_seconds(env, "NodePublishVolume").iter().sum();
+    let total: f64 = seconds_between(&t.created, &t.running).iter().sum();
+    let ours = webhook + extender + create + stage + publish;
+    let round = |x: f64| (x * 1000.0).round() / 1000.0;
+    flags["own_seconds"] = serde_json::json!({
+        "webhook": round(webhook), "extender": round(extender),
+        "create_volume": round(create), "node_stage": round(stage),
+        "node_publish": round(publish), "total": round(ours),
+    });
+    flags["claims_created_to_running_seconds_summed"] = round(total).into();
+    Benchmark {
+        name: name.into(),
+        description: format!(
+            "pmem-csi's own share of the burst's {} claims' created → Running time: seconds inside our webhook and extender (their latency metrics), CreateVolume, NodeStageVolume and NodePublishVolume (the drivers' logs), in percent of the claims' summed created → Running; {} nodes",
+            scale.startup_pods, scale.startup_nodes
+        ),
+        unit: "%".into(),
+        samples: vec![if total > 0.0 { 100.0 * ours / total } else { 0.0 }],
+        secondary: Vec::new(),
+        target: Target {
+            p50_max: Some(OWN_SHARE_TARGET_PERCENT),
+            ..Target::none()
+        },
+        flags,
+    }
 }
 
 /// One arm of the storage-bound benchmark.

@@ -8,6 +8,7 @@ mod end_to_end;
 mod faults;
 mod filter_floor;
 mod http_load;
+mod memory;
 mod report;
 mod webhook_load;
 
@@ -17,6 +18,9 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use report::{Benchmark, Machine, Results, Target};
+
+#[global_allocator]
+static ALLOCATOR: memory::Counting = memory::Counting;
 
 #[derive(Parser, Debug)]
 #[command(name = "pmem-csi-bench")]
@@ -52,6 +56,22 @@ enum Command {
         /// `bench/results/<date>-<sha>-sweep.json` and render BENCHMARKS.md.
         #[arg(long)]
         sweep_only: bool,
+        /// Run only the memory benchmarks (controller after its first pass, node driver idle
+        /// and with volumes, extender at scale); without --smoke, write
+        /// `bench/results/<date>-<sha>-memory.json` and render BENCHMARKS.md.
+        #[arg(long)]
+        memory_only: bool,
+        /// Run only the pod start-up burst under several csi-provisioner and
+        /// kube-controller-manager settings (the shipped ones first); without --smoke, write `bench/results/<date>-<sha>-startup-<nodes>.json`
+        /// and render BENCHMARKS.md.
+        #[arg(long)]
+        startup_sweep: bool,
+        /// Nodes of --startup-sweep (more than 10 run the fake backend).
+        #[arg(long, default_value_t = 10)]
+        sweep_nodes: usize,
+        /// Pods (each with a claim) of --startup-sweep.
+        #[arg(long, default_value_t = 100)]
+        sweep_pods: usize,
     },
     /// Turn the fault suite's figures (`just faults`) into `bench/results/<date>-<sha>-faults.json`
     /// and render BENCHMARKS.md.
@@ -153,6 +173,10 @@ fn main() -> anyhow::Result<()> {
             load_only,
             e2e_only,
             sweep_only,
+            memory_only,
+            startup_sweep,
+            sweep_nodes,
+            sweep_pods,
         } => {
             let samples = if smoke { 1 } else { samples.max(1) };
             let runtime = tokio::runtime::Runtime::new().context("tokio runtime")?;
@@ -193,6 +217,42 @@ fn main() -> anyhow::Result<()> {
                 }
                 if !smoke {
                     publish(&root, benchmarks, Some("sweep"))?;
+                }
+                return Ok(());
+            }
+            if startup_sweep {
+                let scale = if smoke {
+                    end_to_end::Scale::smoke()
+                } else {
+                    end_to_end::Scale::startup(sweep_nodes, sweep_pods)
+                };
+                let mut benchmarks = Vec::new();
+                for (i, setting) in end_to_end::StartupSetting::sweep().iter().enumerate() {
+                    benchmarks.extend(runtime.block_on(end_to_end::pod_startup_with(
+                        &scale,
+                        setting,
+                        i == 0,
+                    ))?);
+                }
+                print_quantiles(&benchmarks);
+                if !smoke {
+                    publish(&root, benchmarks, Some(&format!("startup-{sweep_nodes}")))?;
+                }
+                return Ok(());
+            }
+            if memory_only {
+                let scale = if smoke {
+                    memory::Scale::smoke()
+                } else {
+                    memory::Scale::full()
+                };
+                let benchmarks = runtime.block_on(memory::run(&root, &scale))?;
+                print_quantiles(&benchmarks);
+                for b in &benchmarks {
+                    println!("{}: {}", b.name, b.flags);
+                }
+                if !smoke {
+                    publish(&root, benchmarks, Some("memory"))?;
                 }
                 return Ok(());
             }

@@ -26,6 +26,7 @@ pub struct TestEnvBuilder {
     pub(crate) driver_name: String,
     pub(crate) scheduler: SchedulerConfig,
     pub(crate) drivers: Option<node_processes::DriverOptions>,
+    pub(crate) controller_manager_args: Vec<String>,
     pub(crate) extender: Option<Vec<String>>,
     pub(crate) token_renewal: std::time::Duration,
     pub(crate) idle_control_plane: bool,
@@ -44,6 +45,7 @@ impl Default for TestEnvBuilder {
             driver_name: DEFAULT_DRIVER_NAME.to_string(),
             scheduler: SchedulerConfig::default(),
             drivers: None,
+            controller_manager_args: Vec::new(),
             extender: None,
             token_renewal: service_accounts::TOKEN_LIFETIME / 3,
             idle_control_plane: false,
@@ -162,6 +164,21 @@ impl TestEnvBuilder {
     pub fn drivers(mut self, options: node_processes::DriverOptions) -> Self {
         self.drivers = Some(options);
         self
+    }
+
+    /// Extra kube-controller-manager flags (benchmarks compare its `--kube-api-qps`).
+    pub fn controller_manager_args<I, S>(mut self, args: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.controller_manager_args = args.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// The options given to [`TestEnvBuilder::drivers`], to change them afterwards.
+    pub fn driver_options_mut(&mut self) -> Option<&mut node_processes::DriverOptions> {
+        self.drivers.as_mut()
     }
 
     /// Runs a supervised `pmem-csi extender` with `args` (besides address, driver name and node

@@ -103,19 +103,30 @@ pub struct ControlPlane {
     group: i32,
 }
 
+/// How the control plane runs, besides the scheduler's configuration.
+#[derive(Clone, Debug, Default)]
+pub struct ControlPlaneOptions {
+    /// Every component under `SCHED_IDLE`.
+    pub idle: bool,
+    /// The audit log goes where `PMEM_CSI_AUDIT_DIR` says (the least-privilege check reads
+    /// it), otherwise into the work directory.
+    pub shared_audit: bool,
+    /// Extra kube-controller-manager flags (benchmarks compare `--kube-api-qps` settings).
+    pub controller_manager_args: Vec<String>,
+}
+
 impl ControlPlane {
-    /// Starts etcd, kube-apiserver, kube-controller-manager and kube-scheduler under `dir`,
-    /// all under `SCHED_IDLE` when `idle`. With `shared_audit`, the audit log goes where
-    /// `PMEM_CSI_AUDIT_DIR` says (the least-privilege check reads it), otherwise into `dir`.
+    /// Starts etcd, kube-apiserver, kube-controller-manager and kube-scheduler under `dir`, as
+    /// `options` say.
     pub async fn start(
         dir: &Path,
         tools: &Tools,
         pki: &Pki,
         group: &ProcessGroup,
         scheduler: &SchedulerConfig,
-        idle: bool,
-        shared_audit: bool,
+        options: &ControlPlaneOptions,
     ) -> Result<Self, ControlPlaneError> {
+        let (idle, shared_audit) = (options.idle, options.shared_audit);
         let certs = dir.join("pki");
         let logs = dir.join("logs");
         for d in [&certs, &logs] {
@@ -267,7 +278,8 @@ impl ControlPlane {
                 "--bind-address=127.0.0.1".into(),
                 format!("--secure-port={kcm_port}"),
                 format!("--root-ca-file={}", files.ca.display()),
-            ]),
+            ])
+            .args(options.controller_manager_args.iter()),
             group,
         )?;
         components.push(kcm);

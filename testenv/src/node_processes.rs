@@ -33,6 +33,9 @@ pub struct DriverOptions {
     pub env: Vec<(String, String)>,
     /// Connect each node's processes through a [`crate::proxy::TcpProxy`] that tests can cut.
     pub partitionable: bool,
+    /// Changes to the rendered csi-provisioner command line after testenv's own (items as
+    /// [`Overrides::from_args`] reads them: benchmarks compare `--kube-api-qps` settings).
+    pub provisioner_args: Vec<String>,
 }
 
 impl Default for DriverOptions {
@@ -43,6 +46,7 @@ impl Default for DriverOptions {
             extra_args: Vec::new(),
             env: Vec::new(),
             partitionable: false,
+            provisioner_args: Vec::new(),
         }
     }
 }
@@ -248,6 +252,7 @@ impl DriverOptions {
             extra_args: extra_args.iter().map(|a| a.to_string()).collect(),
             env: Vec::new(),
             partitionable: false,
+            provisioner_args: Vec::new(),
         }
     }
 }
@@ -332,7 +337,8 @@ impl NodeLauncher {
                 &self.tools.go("csi-provisioner"),
                 &node_pod(&self.manifests, &node.name),
                 format!("{}-csi-provisioner.log", node.name),
-                &provisioner_overrides(&dirs.socket, kubeconfig),
+                &provisioner_overrides(&dirs.socket, kubeconfig)
+                    .and(&Overrides::from_args(&self.options.provisioner_args)),
             )
             .map_err(manifest_error)?,
         );

@@ -34,8 +34,11 @@ impl TestEnv {
             &pki,
             &group,
             &builder.scheduler,
-            builder.idle_control_plane,
-            !builder.private_audit_log,
+            &crate::control_plane::ControlPlaneOptions {
+                idle: builder.idle_control_plane,
+                shared_audit: !builder.private_audit_log,
+                controller_manager_args: builder.controller_manager_args.clone(),
+            },
         )
         .await?;
         let mut env = Self {

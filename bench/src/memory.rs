@@ -1,0 +1,474 @@
+//! Resident memory of pmem-csi's processes at scale, and where the controller's bytes go:
+//! `/proc/<pid>/status` of the real processes (RssAnon: heap, stacks; RssFile: the mapped
+//! binary), and the bytes each watch cache holds, measured by building the same caches in this
+//! process from the same objects with the same trimming under a counting allocator.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::fmt::Debug;
+use std::hash::Hash;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+
+use anyhow::Context;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Node, PersistentVolumeClaim};
+use k8s_openapi::api::storage::v1::{CSINode, CSIStorageCapacity, StorageClass};
+use kube::api::ListParams;
+use kube::runtime::reflector;
+use kube::runtime::watcher;
+use kube::{Api, Resource};
+
+use crate::report::Benchmark;
+use serde::de::DeserializeOwned;
+
+/// Counts live heap bytes while [`Counting::measure`] runs; otherwise the system allocator
+/// with one relaxed load per call (the load benchmarks' floor server shares this binary).
+pub struct Counting;
+
+static ON: AtomicBool = AtomicBool::new(false);
+static LIVE: AtomicI64 = AtomicI64::new(0);
+
+fn count(delta: i64) {
+    if ON.load(Ordering::Relaxed) {
+        LIVE.fetch_add(delta, Ordering::Relaxed);
+    }
+}
+
+// The workspace denies unsafe code; a global allocator cannot be written without it. This one
+// forwards every call to `System` unchanged and only adds counters. (stats_alloc would need no
+// unsafe here, but it counts every call on shared atomics, which would slow the /filter floor
+// server this binary also runs.)
+// SAFETY: every call is forwarded to `System` with the caller's arguments; nothing else
+// touches the memory.
+#[allow(unsafe_code)]
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: the caller's contract is passed on.
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            count(layout.size() as i64);
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        count(-(layout.size() as i64));
+        // SAFETY: the caller's contract is passed on.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: the caller's contract is passed on.
+        let p = unsafe { System.alloc_zeroed(layout) };
+        if !p.is_null() {
+            count(layout.size() as i64);
+        }
+        p
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: the caller's contract is passed on.
+        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        if !p.is_null() {
+            count(new_size as i64 - layout.size() as i64);
+        }
+        p
+    }
+}
+
+impl Counting {
+    /// The heap bytes that `build` leaves allocated (what it returns holds; it is dropped
+    /// after the count). Other threads allocating meanwhile are counted too: measure while
+    /// nothing else runs.
+    pub async fn measure<T, F: Future<Output = anyhow::Result<T>>>(
+        build: impl FnOnce() -> F,
+    ) -> anyhow::Result<i64> {
+        LIVE.store(0, Ordering::SeqCst);
+        ON.store(true, Ordering::SeqCst);
+        let built = build().await;
+        let bytes = LIVE.load(Ordering::SeqCst);
+        ON.store(false, Ordering::SeqCst);
+        drop(built?);
+        Ok(bytes)
+    }
+}
+
+/// What `/proc/<pid>/status` says of a process's resident memory, in bytes.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Resident {
+    /// VmRSS.
+    pub total: u64,
+    /// RssAnon: heap, stacks, anonymous mappings.
+    pub anon: u64,
+    /// RssFile: mapped files (the binary's pages in use).
+    pub file: u64,
+}
+
+impl Resident {
+    /// Of process `pid` (zeros when it is gone).
+    pub fn of(pid: u32) -> Self {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        let field = |name: &str| {
+            text.lines()
+                .find(|l| l.starts_with(name))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+                .map_or(0, |kib| kib * 1024)
+        };
+        Self {
+            total: field("VmRSS:"),
+            anon: field("RssAnon:"),
+            file: field("RssFile:"),
+        }
+    }
+
+    /// As JSON, in MiB.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "rss_mib": mib(self.total),
+            "anon_mib": mib(self.anon),
+            "file_mib": mib(self.file),
+        })
+    }
+}
+
+/// `bytes` in MiB, rounded to 0.01.
+pub fn mib(bytes: u64) -> f64 {
+    (bytes as f64 / (1024.0 * 1024.0) * 100.0).round() / 100.0
+}
+
+/// Bytes a kube-runtime cache of every `K` of `api` holds, trimmed as the controller trims it.
+async fn cache_bytes<K>(api: Api<K>) -> anyhow::Result<(usize, i64)>
+where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+    K::DynamicType: Default + Eq + Hash + Clone,
+{
+    let mut objects = 0;
+    let bytes = Counting::measure(|| async {
+        let (reader, mut writer) = reflector::store::<K>();
+        let list = api.list(&ListParams::default()).await?;
+        objects = list.items.len();
+        writer.apply_watcher_event(&watcher::Event::Init);
+        for mut object in list.items {
+            controllers::stores::trim(&mut object);
+            writer.apply_watcher_event(&watcher::Event::InitApply(object));
+        }
+        writer.apply_watcher_event(&watcher::Event::InitDone);
+        anyhow::Ok((reader, writer))
+    })
+    .await?;
+    Ok((objects, bytes))
+}
+
+/// The bytes of each cache the controller keeps (`namespace`: where its heartbeat Leases
+/// live), as JSON: kind → {objects, mib}.
+pub async fn controller_caches(
+    client: &kube::Client,
+    namespace: &str,
+) -> anyhow::Result<serde_json::Value> {
+    let mut out = serde_json::Map::new();
+    let mut add = |kind: &str, (objects, bytes): (usize, i64)| {
+        out.insert(
+            kind.into(),
+            serde_json::json!({"objects": objects, "mib": mib(bytes.max(0) as u64)}),
+        );
+    };
+    add(
+        "PersistentVolumeClaim",
+        cache_bytes(Api::<PersistentVolumeClaim>::all(client.clone()))
+            .await
+            .context("claims")?,
+    );
+    add(
+        "Node",
+        cache_bytes(Api::<Node>::all(client.clone()))
+            .await
+            .context("nodes")?,
+    );
+    add(
+        "CSINode",
+        cache_bytes(Api::<CSINode>::all(client.clone()))
+            .await
+            .context("csinodes")?,
+    );
+    add(
+        "Lease",
+        cache_bytes(Api::<Lease>::namespaced(client.clone(), namespace))
+            .await
+            .context("leases")?,
+    );
+    add(
+        "StorageClass",
+        cache_bytes(Api::<StorageClass>::all(client.clone()))
+            .await
+            .context("classes")?,
+    );
+    add(
+        "CSIStorageCapacity",
+        cache_bytes(Api::<CSIStorageCapacity>::namespaced(
+            client.clone(),
+            namespace,
+        ))
+        .await
+        .context("capacity")?,
+    );
+    Ok(serde_json::Value::Object(out))
+}
+
+/// How large the memory benchmarks are.
+#[derive(Clone, Debug)]
+pub struct Scale {
+    /// Nodes and pending claims of the controller's first pass.
+    pub controller: (usize, usize),
+    /// Volumes of the node driver's second measurement.
+    pub driver_volumes: usize,
+    /// Nodes (each with a capacity object) and claims the extender indexes.
+    pub extender: (usize, usize),
+}
+
+impl Scale {
+    /// Issue 26's sizes.
+    pub fn full() -> Self {
+        Self {
+            controller: (1000, 10_000),
+            driver_volumes: 500,
+            extender: (5000, 10_000),
+        }
+    }
+
+    /// Small, to prove the benchmarks run (`just test`).
+    pub fn smoke() -> Self {
+        Self {
+            controller: (20, 200),
+            driver_volumes: 20,
+            extender: (50, 200),
+        }
+    }
+}
+
+/// Every memory benchmark on one testenv.
+pub async fn run(root: &std::path::Path, scale: &Scale) -> anyhow::Result<Vec<Benchmark>> {
+    let env = testenv::TestEnv::builder()
+        .start()
+        .await
+        .context("starting testenv")?;
+    let result = async {
+        let (nodes, claims) = scale.controller;
+        let mut out = crate::cluster_scale::rescheduler_pass(&env, nodes, claims).await?;
+        out.retain(|b| b.name == "controller-rss-after-pass");
+        out.extend(node_driver(&env, root, scale.driver_volumes).await?);
+        out.push(extender(&env, scale.extender.0, scale.controller.0, claims).await?);
+        anyhow::Ok(out)
+    }
+    .await;
+    let leftovers = env.stop().await;
+    let remaining = leftovers
+        .wait_clean(std::time::Duration::from_secs(20))
+        .await;
+    anyhow::ensure!(remaining.is_empty(), "left behind: {remaining:?}");
+    result
+}
+
+const DRIVER: &str = "pmem-csi.intel.com";
+const NAMESPACE: &str = "pmem-csi";
+
+/// Waits until the process's admin server on `port` answers `/readyz`.
+async fn ready(port: u16, what: &str) -> anyhow::Result<()> {
+    let probe =
+        testenv::control_plane::anonymous_probe(&format!("http://127.0.0.1:{port}"), what)?;
+    testenv::wait::until(
+        &format!("{what} ready"),
+        std::time::Duration::from_secs(120),
+        || testenv::control_plane::probe_path(&probe, "/readyz"),
+    )
+    .await?;
+    Ok(())
+}
+
+/// The node driver (fake backend, so that hundreds of volumes cost no disk) once it serves and
+/// has published its capacity, then with `volumes` volumes of 4 MiB created over its socket.
+async fn node_driver(
+    env: &testenv::TestEnv,
+    work: &std::path::Path,
+    volumes: usize,
+) -> anyhow::Result<Vec<Benchmark>> {
+    use driver::csi::controller_client::ControllerClient;
+    use driver::csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
+    use driver::csi::{CapacityRange, CreateVolumeRequest, VolumeCapability};
+
+    let client = env.client().await?;
+    let class = "bench-memory-pmem";
+    testenv::api_calls::create_storage_class(&client, class, DRIVER, "WaitForFirstConsumer")
+        .await?;
+    let node = "memory-node";
+    testenv::NodeSpec::with_driver(node)
+        .create(&client, DRIVER)
+        .await?;
+    let root = tempfile::tempdir_in(work)?;
+    let dirs = testenv::node_driver::NodeDriverDirs::under(root.path());
+    let admin = testenv::ports::free_port()?;
+    let mut options = testenv::node_processes::DriverOptions::fake(
+        "1Ti",
+        &[&format!("--admin-address=127.0.0.1:{admin}")],
+    );
+    options.env.push(("RUST_LOG".into(), "warn".into()));
+    let process = env.supervise_node_driver(node, &dirs, &options)?;
+    testenv::node_driver::wait_for_path(&dirs.socket, std::time::Duration::from_secs(60)).await?;
+    ready(admin, "node driver").await?;
+    let capacities = Api::<CSIStorageCapacity>::namespaced(client.clone(), NAMESPACE);
+    let name = controllers::well_known::capacity_object_name(node, class);
+    let free = || async {
+        capacities
+            .get_opt(&name)
+            .await
+            .ok()
+            .flatten()
+            .and_then(|o| o.capacity)
+            .and_then(|q| controllers::quantity::parse_bytes(&q.0).ok())
+    };
+    let initial = testenv::wait::until(
+        "the node's capacity published",
+        std::time::Duration::from_secs(60),
+        || async { free().await.ok_or_else(|| "not yet".to_string()) },
+    )
+    .await?;
+    let pid = process.state().pid.context("the node driver runs")?;
+    let idle = Resident::of(pid);
+    let mut csi = ControllerClient::new(driver::client::connect(&dirs.socket).await?);
+    const SIZE: u64 = 4 << 20;
+    for i in 0..volumes {
+        csi.create_volume(CreateVolumeRequest {
+            name: format!("memory-{i}"),
+            capacity_range: Some(CapacityRange {
+                required_bytes: SIZE as i64,
+                limit_bytes: 0,
+            }),
+            volume_capabilities: vec![VolumeCapability {
+                access_mode: Some(AccessMode {
+                    mode: Mode::SingleNodeWriter as i32,
+                }),
+                access_type: Some(AccessType::Mount(MountVolume::default())),
+            }],
+            ..Default::default()
+        })
+        .await?;
+    }
+    // Measured once the publisher has caught up, as a node in service would be.
+    let want = initial - volumes as u64 * SIZE;
+    testenv::wait::until(
+        "the capacity to show every volume",
+        std::time::Duration::from_secs(60),
+        || async {
+            match free().await {
+                Some(now) if now == want => Ok(()),
+                other => Err(format!("{other:?}, want {want}")),
+            }
+        },
+    )
+    .await?;
+    let loaded = Resident::of(pid);
+    process.stop().await;
+    let flags = serde_json::json!({
+        "backend": "fake", "volume_size_bytes": SIZE, "volumes": volumes,
+        "idle": idle.json(), "with_volumes": loaded.json(),
+    });
+    Ok(vec![
+        Benchmark {
+            name: "node-driver-rss-idle".into(),
+            description: "resident memory of pmem-csi node (fake backend) serving, its capacity published, no volumes (MiB)".into(),
+            unit: "MiB".into(),
+            samples: vec![mib(idle.total)],
+            secondary: vec![],
+            target: crate::report::Target::none(),
+            flags: flags.clone(),
+        },
+        Benchmark {
+            name: format!("node-driver-rss-{volumes}-volumes"),
+            description: format!("resident memory of pmem-csi node (fake backend) with {volumes} volumes of 4 MiB created over its socket and published (MiB)"),
+            unit: "MiB".into(),
+            samples: vec![mib(loaded.total)],
+            secondary: vec![mib(idle.total)],
+            target: crate::report::Target::none(),
+            flags,
+        },
+    ])
+}
+
+/// The extender started on a cluster of `nodes` driver nodes, each with a capacity object,
+/// and the `claims` claims already there (nodes `existing..nodes` are added); measured once its
+/// caches have synced (`/readyz`).
+async fn extender(
+    env: &testenv::TestEnv,
+    nodes: usize,
+    existing: usize,
+    claims: usize,
+) -> anyhow::Result<Benchmark> {
+    use futures::{StreamExt, TryStreamExt};
+    let client = env.client().await?;
+    let class = "bench-memory-pmem";
+    futures::stream::iter((existing..nodes).map(|i| {
+        let client = client.clone();
+        async move {
+            testenv::NodeSpec::with_driver(format!("scale-node-{i}"))
+                .create(&client, DRIVER)
+                .await
+        }
+    }))
+    .buffer_unordered(32)
+    .try_collect::<Vec<()>>()
+    .await
+    .context("creating nodes")?;
+    let capacities = Api::<CSIStorageCapacity>::namespaced(client.clone(), NAMESPACE);
+    futures::stream::iter((0..nodes).map(|i| {
+        let api = capacities.clone();
+        async move {
+            const GI: u64 = 1 << 30;
+            let capacity = controllers::test_objects::published_capacity(
+                NAMESPACE,
+                DRIVER,
+                &format!("scale-node-{i}"),
+                class,
+                &[64 * GI, 32 * GI],
+                96 * GI,
+            );
+            api.create(&kube::api::PostParams::default(), &capacity)
+                .await
+                .map(|_| ())
+        }
+    }))
+    .buffer_unordered(32)
+    .try_collect::<Vec<()>>()
+    .await
+    .context("publishing capacity")?;
+    let (route, admin) = (testenv::ports::free_port()?, testenv::ports::free_port()?);
+    let state = tempfile::tempdir_in(env.dir())?;
+    let process = env.supervise(
+        env.our_process(
+            testenv::manifests::OurContainer::Extender,
+            "bench/extender",
+            "bench-extender.log",
+            &testenv::manifests::Overrides::new()
+                .set("--extender-address", format!("127.0.0.1:{route}"))
+                .set("--admin-address", format!("127.0.0.1:{admin}"))
+                .set(
+                    "--reservations-file",
+                    state.path().join("reservations.jsonl").display().to_string(),
+                )
+                .set("--reschedule-grace", "24h"),
+        )?
+        .env("RUST_LOG", "warn"),
+    );
+    ready(admin, "extender").await?;
+    let resident = process.state().pid.map_or_else(Resident::default, Resident::of);
+    process.stop().await;
+    Ok(Benchmark {
+        name: "extender-rss-at-scale".into(),
+        description: format!("resident memory of pmem-csi extender once its caches have synced on {nodes} driver nodes, each with a capacity object, and {claims} pending claims (MiB)"),
+        unit: "MiB".into(),
+        samples: vec![mib(resident.total)],
+        secondary: vec![],
+        target: crate::report::Target::none(),
+        flags: serde_json::json!({
+            "nodes": nodes, "capacity_objects": nodes, "claims": claims,
+            "resident": resident.json(),
+        }),
+    })
+}
