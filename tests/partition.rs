@@ -37,6 +37,7 @@ fn fixture() -> &'static Fixture {
                     "after-state-write:3000".into(),
                 )],
                 partitionable: true,
+                ..Default::default()
             })
         }
         let env = TestEnv::shared(configure);

@@ -45,7 +45,10 @@ const CONTROLLER_RSS_TARGET_MIB: f64 = 40.0;
 /// Starts a controller as the manifests run it (the rescheduler with a long grace, so that it
 /// only judges), with its admin server on a port of its own; returns it and a client of that
 /// port.
-fn start_controller(env: &TestEnv, log: &str) -> anyhow::Result<(testenv::Supervised, kube::Client)> {
+fn start_controller(
+    env: &TestEnv,
+    log: &str,
+) -> anyhow::Result<(testenv::Supervised, kube::Client)> {
     let port = testenv::ports::free_port()?;
     let controller = env.supervise(
         env.our_process(
@@ -71,7 +74,10 @@ async fn controller_idle(env: &TestEnv) -> anyhow::Result<Resident> {
         testenv::control_plane::probe_path(&probe, "/readyz")
     })
     .await?;
-    let idle = controller.state().pid.map_or_else(Resident::default, Resident::of);
+    let idle = controller
+        .state()
+        .pid
+        .map_or_else(Resident::default, Resident::of);
     controller.stop().await;
     Ok(idle)
 }

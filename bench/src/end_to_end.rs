@@ -427,7 +427,11 @@ impl StartupSetting {
             ),
             setting(
                 "provisioner-qps-50-burst-100-workers-10",
-                &["--kube-api-qps=50", "--kube-api-burst=100", "--worker-threads=10"],
+                &[
+                    "--kube-api-qps=50",
+                    "--kube-api-burst=100",
+                    "--worker-threads=10",
+                ],
                 &[],
             ),
             setting("kcm-qps-100-burst-200", &[], &kcm),
@@ -461,7 +465,9 @@ pub async fn pod_startup_with(
         .collect();
     let mut builder = full_stack(nodes, 600);
     if let Some(options) = builder.driver_options_mut() {
-        options.provisioner_args.clone_from(&setting.provisioner_args);
+        options
+            .provisioner_args
+            .clone_from(&setting.provisioner_args);
         if scale.startup_nodes > 10 {
             // Hundreds of nodes: no loop device and file system per volume.
             options.device_mode = "fake".into();
@@ -655,7 +661,11 @@ fn own_share(
             scale.startup_pods, scale.startup_nodes
         ),
         unit: "%".into(),
-        samples: vec![if total > 0.0 { 100.0 * ours / total } else { 0.0 }],
+        samples: vec![if total > 0.0 {
+            100.0 * ours / total
+        } else {
+            0.0
+        }],
         secondary: Vec::new(),
         target: Target {
             p50_max: Some(OWN_SHARE_TARGET_PERCENT),

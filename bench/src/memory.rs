@@ -272,8 +272,7 @@ const NAMESPACE: &str = "pmem-csi";
 
 /// Waits until the process's admin server on `port` answers `/readyz`.
 async fn ready(port: u16, what: &str) -> anyhow::Result<()> {
-    let probe =
-        testenv::control_plane::anonymous_probe(&format!("http://127.0.0.1:{port}"), what)?;
+    let probe = testenv::control_plane::anonymous_probe(&format!("http://127.0.0.1:{port}"), what)?;
     testenv::wait::until(
         &format!("{what} ready"),
         std::time::Duration::from_secs(120),
@@ -450,18 +449,27 @@ async fn extender(
                 .set("--admin-address", format!("127.0.0.1:{admin}"))
                 .set(
                     "--reservations-file",
-                    state.path().join("reservations.jsonl").display().to_string(),
+                    state
+                        .path()
+                        .join("reservations.jsonl")
+                        .display()
+                        .to_string(),
                 )
                 .set("--reschedule-grace", "24h"),
         )?
         .env("RUST_LOG", "warn"),
     );
     ready(admin, "extender").await?;
-    let resident = process.state().pid.map_or_else(Resident::default, Resident::of);
+    let resident = process
+        .state()
+        .pid
+        .map_or_else(Resident::default, Resident::of);
     process.stop().await;
     Ok(Benchmark {
         name: "extender-rss-at-scale".into(),
-        description: format!("resident memory of pmem-csi extender once its caches have synced on {nodes} driver nodes, each with a capacity object, and {claims} pending claims (MiB)"),
+        description: format!(
+            "resident memory of pmem-csi extender once its caches have synced on {nodes} driver nodes, each with a capacity object, and {claims} pending claims (MiB)"
+        ),
         unit: "MiB".into(),
         samples: vec![mib(resident.total)],
         secondary: vec![],
