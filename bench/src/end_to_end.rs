@@ -407,9 +407,9 @@ impl StartupSetting {
         }
     }
 
-    /// What `--startup-sweep` compares: the shipped settings first, then larger client budgets
-    /// for the provisioners, for kube-controller-manager (whose PV binder binds every claim),
-    /// and for both.
+    /// What `--startup-sweep` compares: the shipped settings first (csi-provisioner at 20/s,
+    /// burst 40), then client-go's default budget (5/s, burst 10), a larger one with more
+    /// workers, and kube-controller-manager (whose PV binder binds every claim) at 100/s.
     pub fn sweep() -> Vec<Self> {
         let strings = |args: &[&str]| args.iter().map(|a| a.to_string()).collect::<Vec<_>>();
         let setting = |label: &str, provisioner: &[&str], kcm: &[&str]| Self {
@@ -417,12 +417,11 @@ impl StartupSetting {
             provisioner_args: strings(provisioner),
             controller_manager_args: strings(kcm),
         };
-        let kcm = ["--kube-api-qps=100", "--kube-api-burst=200"];
         vec![
             Self::shipped(),
             setting(
-                "provisioner-qps-20-burst-40",
-                &["--kube-api-qps=20", "--kube-api-burst=40"],
+                "provisioner-qps-5-burst-10",
+                &["--kube-api-qps=5", "--kube-api-burst=10"],
                 &[],
             ),
             setting(
@@ -434,11 +433,10 @@ impl StartupSetting {
                 ],
                 &[],
             ),
-            setting("kcm-qps-100-burst-200", &[], &kcm),
             setting(
-                "kcm-qps-100-provisioner-qps-20",
-                &["--kube-api-qps=20", "--kube-api-burst=40"],
-                &kcm,
+                "kcm-qps-100-burst-200",
+                &[],
+                &["--kube-api-qps=100", "--kube-api-burst=200"],
             ),
         ]
     }

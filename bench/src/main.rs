@@ -72,6 +72,9 @@ enum Command {
         /// Pods (each with a claim) of --startup-sweep.
         #[arg(long, default_value_t = 100)]
         sweep_pods: usize,
+        /// Only these settings of --startup-sweep (labels, comma-separated; `shipped` first).
+        #[arg(long, value_delimiter = ',')]
+        sweep_settings: Vec<String>,
     },
     /// Turn the fault suite's figures (`just faults`) into `bench/results/<date>-<sha>-faults.json`
     /// and render BENCHMARKS.md.
@@ -177,6 +180,7 @@ fn main() -> anyhow::Result<()> {
             startup_sweep,
             sweep_nodes,
             sweep_pods,
+            sweep_settings,
         } => {
             let samples = if smoke { 1 } else { samples.max(1) };
             let runtime = tokio::runtime::Runtime::new().context("tokio runtime")?;
@@ -227,10 +231,13 @@ fn main() -> anyhow::Result<()> {
                     end_to_end::Scale::startup(sweep_nodes, sweep_pods)
                 };
                 let mut benchmarks = Vec::new();
-                for (i, setting) in end_to_end::StartupSetting::sweep().iter().enumerate() {
+                let settings = end_to_end::StartupSetting::sweep()
+                    .into_iter()
+                    .filter(|s| sweep_settings.is_empty() || sweep_settings.contains(&s.label));
+                for (i, setting) in settings.enumerate() {
                     benchmarks.extend(runtime.block_on(end_to_end::pod_startup_with(
                         &scale,
-                        setting,
+                        &setting,
                         i == 0,
                     ))?);
                 }
