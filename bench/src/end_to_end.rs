@@ -59,8 +59,7 @@ impl Scale {
         }
     }
 
-    /// The start-up burst alone with `pods` pods on `nodes` nodes; more than 10 nodes run the
-    /// fake backend (no loop device or file system per volume).
+    /// The start-up burst alone with `pods` pods on `nodes` nodes.
     pub fn startup(nodes: usize, pods: usize) -> Self {
         Self {
             startup_nodes: nodes,
@@ -466,10 +465,6 @@ pub async fn pod_startup_with(
         options
             .provisioner_args
             .clone_from(&setting.provisioner_args);
-        if scale.startup_nodes > 10 {
-            // Hundreds of nodes: no loop device and file system per volume.
-            options.device_mode = "fake".into();
-        }
     }
     let env = builder
         .controller_manager_args(setting.controller_manager_args.clone())

@@ -66,7 +66,7 @@ enum Command {
         /// and render BENCHMARKS.md.
         #[arg(long)]
         startup_sweep: bool,
-        /// Nodes of --startup-sweep (more than 10 run the fake backend).
+        /// Nodes of --startup-sweep.
         #[arg(long, default_value_t = 10)]
         sweep_nodes: usize,
         /// Pods (each with a claim) of --startup-sweep.
@@ -294,8 +294,15 @@ fn main() -> anyhow::Result<()> {
                     .start()
                     .await
                     .context("starting testenv")?;
-                let (nodes, claims) = if smoke { (20, 200) } else { (1000, 10_000) };
+                let memory = if smoke {
+                    memory::Scale::smoke()
+                } else {
+                    memory::Scale::full()
+                };
+                let (nodes, claims) = memory.controller;
                 let mut out = cluster_scale::rescheduler_pass(&env, nodes, claims).await?;
+                out.extend(memory::node_driver(&env, &root, memory.driver_volumes).await?);
+                out.push(memory::extender(&env, memory.extender.0, nodes, claims).await?);
                 out.push(
                     cluster_scale::capacity_latency(&env, &root, if smoke { 5 } else { 200 })
                         .await?,
@@ -318,7 +325,13 @@ fn main() -> anyhow::Result<()> {
             };
             benchmarks.extend(runtime.block_on(webhook_load::mutate(&load))?);
             benchmarks.extend(runtime.block_on(webhook_load::filter(&load))?);
-            benchmarks.extend(runtime.block_on(end_to_end::pod_startup(&e2e))?);
+            for (i, setting) in end_to_end::StartupSetting::sweep().iter().enumerate() {
+                benchmarks.extend(runtime.block_on(end_to_end::pod_startup_with(
+                    &e2e,
+                    setting,
+                    i == 0,
+                ))?);
+            }
             benchmarks.extend(runtime.block_on(end_to_end::storage_bound(&e2e))?);
             if smoke {
                 for b in &benchmarks {

@@ -284,7 +284,7 @@ async fn ready(port: u16, what: &str) -> anyhow::Result<()> {
 
 /// The node driver (fake backend, so that hundreds of volumes cost no disk) once it serves and
 /// has published its capacity, then with `volumes` volumes of 4 MiB created over its socket.
-async fn node_driver(
+pub async fn node_driver(
     env: &testenv::TestEnv,
     work: &std::path::Path,
     volumes: usize,
@@ -394,7 +394,7 @@ async fn node_driver(
 /// The extender started on a cluster of `nodes` driver nodes, each with a capacity object,
 /// and the `claims` claims already there (nodes `existing..nodes` are added); measured once its
 /// caches have synced (`/readyz`).
-async fn extender(
+pub async fn extender(
     env: &testenv::TestEnv,
     nodes: usize,
     existing: usize,
