@@ -478,11 +478,16 @@ pub async fn pod_startup_with(
     let mut out = Vec::new();
     let mut totals = Vec::new();
     let runs: &[bool] = if baseline { &[true, false] } else { &[true] };
+    // The 10-node burst keeps the names it has always had; other sizes say theirs.
+    let scaled = |name: &str| match scale.startup_nodes {
+        1..=10 => name.to_string(),
+        nodes => format!("{name}-{nodes}-nodes"),
+    };
     let row = |name: &str| {
         if setting.is_shipped() {
-            name.to_string()
+            scaled(name)
         } else {
-            format!("{name}-{}", setting.label)
+            format!("{}-{}", scaled(name), setting.label)
         }
     };
     let mut flags = qps_flags(&env);
@@ -534,9 +539,14 @@ pub async fn pod_startup_with(
                 ),
                 unit: "req/s".into(),
                 samples: vec![requests as f64 / took.as_secs_f64()],
-                secondary: vec![requests as f64],
+                secondary: Vec::new(),
                 target: Target::none(),
-                flags: flags.clone(),
+                flags: {
+                    let mut flags = flags.clone();
+                    flags["requests"] = requests.into();
+                    flags["burst_s"] = took.as_secs_f64().into();
+                    flags
+                },
             });
             let stages = [
                 (
