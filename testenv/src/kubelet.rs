@@ -994,6 +994,36 @@ mod tests {
     }
 
     #[test]
+    fn each_volume_goes_to_its_own_driver_and_others_are_left_alone() {
+        const SECOND: &str = "second.pmem-csi.intel.com";
+        let pod = pod(vec![
+            claim_volume("a", "data-a", false),
+            claim_volume("b", "data-b", false),
+            inline("c", SECOND),
+            inline("d", "other.example.com"),
+        ]);
+        let claims = BTreeMap::from([claim("data-a", Some("pv-a")), claim("data-b", Some("pv-b"))]);
+        let pvs = BTreeMap::from([pv("pv-a", DRIVER, None), pv("pv-b", SECOND, None)]);
+        let both = pod_volumes(&pod, &[DRIVER, SECOND], &dirs(), &claims, &pvs).expect("planned");
+        let drivers: Vec<(&str, &str)> = both
+            .iter()
+            .map(|v| (v.name.as_str(), v.driver.as_str()))
+            .collect();
+        assert_eq!(drivers, vec![("a", DRIVER), ("b", SECOND), ("c", SECOND)]);
+        assert_eq!(
+            both[1].staging,
+            Some(dirs().mount_staging(SECOND, "handle-pv-b")),
+            "staged under its own driver's directory"
+        );
+        let first = pod_volumes(&pod, &[DRIVER], &dirs(), &claims, &pvs).expect("planned");
+        assert_eq!(
+            first.len(),
+            1,
+            "volumes of a driver this kubelet does not serve are not its business: {first:?}"
+        );
+    }
+
+    #[test]
     fn a_volume_is_unstaged_after_its_last_pod() {
         let mut users = StageUsers::default();
         assert!(users.add("n1", "v", "a"), "first use by a");
