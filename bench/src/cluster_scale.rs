@@ -82,6 +82,27 @@ async fn controller_idle(env: &TestEnv) -> anyhow::Result<Resident> {
     Ok(idle)
 }
 
+/// Driver nodes `scale-node-<i>` for each `i` of `range`, with their CSINodes.
+pub async fn create_nodes(
+    client: &kube::Client,
+    range: std::ops::Range<usize>,
+) -> anyhow::Result<()> {
+    // Creating objects is not what is measured; a few dozen requests in flight keep it short.
+    futures::stream::iter(range.map(|i| {
+        let client = client.clone();
+        async move {
+            NodeSpec::with_driver(format!("scale-node-{i}"))
+                .create(&client, DRIVER)
+                .await
+        }
+    }))
+    .buffer_unordered(32)
+    .try_collect::<Vec<()>>()
+    .await
+    .context("creating nodes")?;
+    Ok(())
+}
+
 /// `nodes` Nodes with the driver and `claims` pending claims selected for them; the
 /// controller's first pass over them.
 pub async fn rescheduler_pass(
@@ -94,19 +115,7 @@ pub async fn rescheduler_pass(
     let ns = testenv::test_namespace(&client, "scale").await?;
     let class_name = format!("{ns}-pmem");
     class(&client, &class_name).await?;
-    // Creating objects is not what is measured; a few dozen requests in flight keep it short.
-    futures::stream::iter((0..nodes).map(|i| {
-        let client = client.clone();
-        async move {
-            NodeSpec::with_driver(format!("scale-node-{i}"))
-                .create(&client, DRIVER)
-                .await
-        }
-    }))
-    .buffer_unordered(32)
-    .try_collect::<Vec<()>>()
-    .await
-    .context("creating nodes")?;
+    create_nodes(&client, 0..nodes).await?;
     let api = Api::<PersistentVolumeClaim>::namespaced(client.clone(), &ns);
     futures::stream::iter((0..claims).map(|i| {
         let api = api.clone();
@@ -207,6 +216,24 @@ pub async fn rescheduler_pass(
     ])
 }
 
+/// CreateVolume of a single-node file-system volume `name` of `bytes`.
+pub fn mount_volume(name: String, bytes: i64) -> CreateVolumeRequest {
+    CreateVolumeRequest {
+        name,
+        capacity_range: Some(CapacityRange {
+            required_bytes: bytes,
+            limit_bytes: 0,
+        }),
+        volume_capabilities: vec![VolumeCapability {
+            access_mode: Some(AccessMode {
+                mode: Mode::SingleNodeWriter as i32,
+            }),
+            access_type: Some(AccessType::Mount(MountVolume::default())),
+        }],
+        ..Default::default()
+    }
+}
+
 /// Latency from CreateVolume returning to the node's capacity object showing it.
 pub async fn capacity_latency(
     env: &TestEnv,
@@ -240,21 +267,8 @@ pub async fn capacity_latency(
     let mut latencies = Vec::with_capacity(samples);
     for i in 0..samples {
         let before = capacity(api.get_opt(&name).await?).unwrap_or(0);
-        csi.create_volume(CreateVolumeRequest {
-            name: format!("latency-{i}"),
-            capacity_range: Some(CapacityRange {
-                required_bytes: 4 << 20,
-                limit_bytes: 0,
-            }),
-            volume_capabilities: vec![VolumeCapability {
-                access_mode: Some(AccessMode {
-                    mode: Mode::SingleNodeWriter as i32,
-                }),
-                access_type: Some(AccessType::Mount(MountVolume::default())),
-            }],
-            ..Default::default()
-        })
-        .await?;
+        csi.create_volume(mount_volume(format!("latency-{i}"), 4 << 20))
+            .await?;
         let created = Instant::now();
         loop {
             if capacity(api.get_opt(&name).await?).is_some_and(|c| c + (4 << 20) == before) {

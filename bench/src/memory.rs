@@ -290,8 +290,6 @@ pub async fn node_driver(
     volumes: usize,
 ) -> anyhow::Result<Vec<Benchmark>> {
     use driver::csi::controller_client::ControllerClient;
-    use driver::csi::volume_capability::{AccessMode, AccessType, MountVolume, access_mode::Mode};
-    use driver::csi::{CapacityRange, CreateVolumeRequest, VolumeCapability};
 
     let client = env.client().await?;
     let class = "bench-memory-pmem";
@@ -334,20 +332,10 @@ pub async fn node_driver(
     let mut csi = ControllerClient::new(driver::client::connect(&dirs.socket).await?);
     const SIZE: u64 = 4 << 20;
     for i in 0..volumes {
-        csi.create_volume(CreateVolumeRequest {
-            name: format!("memory-{i}"),
-            capacity_range: Some(CapacityRange {
-                required_bytes: SIZE as i64,
-                limit_bytes: 0,
-            }),
-            volume_capabilities: vec![VolumeCapability {
-                access_mode: Some(AccessMode {
-                    mode: Mode::SingleNodeWriter as i32,
-                }),
-                access_type: Some(AccessType::Mount(MountVolume::default())),
-            }],
-            ..Default::default()
-        })
+        csi.create_volume(crate::cluster_scale::mount_volume(
+            format!("memory-{i}"),
+            SIZE as i64,
+        ))
         .await?;
     }
     // Measured once the publisher has caught up, as a node in service would be.
@@ -400,43 +388,11 @@ pub async fn extender(
     existing: usize,
     claims: usize,
 ) -> anyhow::Result<Benchmark> {
-    use futures::{StreamExt, TryStreamExt};
     let client = env.client().await?;
     let class = "bench-memory-pmem";
-    futures::stream::iter((existing..nodes).map(|i| {
-        let client = client.clone();
-        async move {
-            testenv::NodeSpec::with_driver(format!("scale-node-{i}"))
-                .create(&client, DRIVER)
-                .await
-        }
-    }))
-    .buffer_unordered(32)
-    .try_collect::<Vec<()>>()
-    .await
-    .context("creating nodes")?;
-    let capacities = Api::<CSIStorageCapacity>::namespaced(client.clone(), NAMESPACE);
-    futures::stream::iter((0..nodes).map(|i| {
-        let api = capacities.clone();
-        async move {
-            const GI: u64 = 1 << 30;
-            let capacity = controllers::test_objects::published_capacity(
-                NAMESPACE,
-                DRIVER,
-                &format!("scale-node-{i}"),
-                class,
-                &[64 * GI, 32 * GI],
-                96 * GI,
-            );
-            api.create(&kube::api::PostParams::default(), &capacity)
-                .await
-                .map(|_| ())
-        }
-    }))
-    .buffer_unordered(32)
-    .try_collect::<Vec<()>>()
-    .await
-    .context("publishing capacity")?;
+    crate::cluster_scale::create_nodes(&client, existing..nodes).await?;
+    let names: Vec<String> = (0..nodes).map(|i| format!("scale-node-{i}")).collect();
+    crate::webhook_load::publish_capacity(&client, &names, class).await?;
     let (route, admin) = (testenv::ports::free_port()?, testenv::ports::free_port()?);
     let state = tempfile::tempdir_in(env.dir())?;
     let process = env.supervise(

@@ -397,23 +397,23 @@ pub async fn filter(scale: &Scale) -> anyhow::Result<Vec<Benchmark>> {
     result
 }
 
-async fn filter_on(env: &TestEnv, scale: &Scale) -> anyhow::Result<Vec<Benchmark>> {
-    let (route, _) = env
-        .extender_addresses()
-        .context("the testenv runs no extender")?;
-    let client = env.client().await?;
-    create_storage_class(&client, CAPACITY_CLASS, DRIVER, "WaitForFirstConsumer").await?;
-    let nodes = scale.filter_names.iter().copied().max().unwrap_or(0);
+/// A capacity object of the driver for each node of `names` in class `class`, 96 GiB free in two
+/// extents, as the node drivers publish them.
+pub async fn publish_capacity(
+    client: &kube::Client,
+    names: &[String],
+    class: &str,
+) -> anyhow::Result<()> {
     let api = Api::<CSIStorageCapacity>::namespaced(client.clone(), NAMESPACE);
     // Creating the objects is not measured; a few dozen requests in flight keep it short.
-    futures::stream::iter((0..nodes).map(|i| {
+    futures::stream::iter(names.iter().map(|node| {
         let api = api.clone();
         async move {
             let capacity = test_objects::published_capacity(
                 NAMESPACE,
                 DRIVER,
-                &node_name(i),
-                CAPACITY_CLASS,
+                node,
+                class,
                 &[64 * GI, 32 * GI],
                 // Nothing allocated when published: every claim counts as unreflected, the
                 // general path of the fit.
@@ -428,6 +428,18 @@ async fn filter_on(env: &TestEnv, scale: &Scale) -> anyhow::Result<Vec<Benchmark
     .try_collect::<Vec<()>>()
     .await
     .context("publishing capacity")?;
+    Ok(())
+}
+
+async fn filter_on(env: &TestEnv, scale: &Scale) -> anyhow::Result<Vec<Benchmark>> {
+    let (route, _) = env
+        .extender_addresses()
+        .context("the testenv runs no extender")?;
+    let client = env.client().await?;
+    create_storage_class(&client, CAPACITY_CLASS, DRIVER, "WaitForFirstConsumer").await?;
+    let nodes = scale.filter_names.iter().copied().max().unwrap_or(0);
+    let names: Vec<String> = (0..nodes).map(node_name).collect();
+    publish_capacity(&client, &names, CAPACITY_CLASS).await?;
     // Ready when every published node passes a filter naming them all: the index has them.
     let all = Endpoint {
         addr: route,
