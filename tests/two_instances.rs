@@ -311,68 +311,6 @@ async fn a_second_instance_from_the_chart_provisions_beside_the_first_and_uninst
     )
     .await;
 
-    // Neither wrote the other's objects: its namespace, its claim or its volume.
-    let log = std::fs::read_to_string(env.audit_log()).expect("audit log");
-    let (requests, _) = audit::parse_log(&log);
-    let second_writes = writes_by(&requests, SECOND_NAMESPACE);
-    assert!(
-        second_writes
-            .iter()
-            .any(|r| r.resource == "csistoragecapacities" && r.namespace == SECOND_NAMESPACE),
-        "the audit log holds the second instance's writes"
-    );
-    assert!(
-        second_writes
-            .iter()
-            .any(|r| r.resource == "persistentvolumes" && r.name == volumes["data-b"].0),
-        "the audit log holds the second instance's provisioning"
-    );
-    for (writer, others_namespace, others_claim, others_volume) in [
-        (
-            NAMESPACE,
-            SECOND_NAMESPACE,
-            "data-b",
-            volumes["data-b"].0.as_str(),
-        ),
-        (
-            SECOND_NAMESPACE,
-            NAMESPACE,
-            "data-a",
-            volumes["data-a"].0.as_str(),
-        ),
-    ] {
-        let trespasses: Vec<_> = writes_by(&requests, writer)
-            .into_iter()
-            .filter(|r| {
-                let claim = r.resource.starts_with("persistentvolumeclaims");
-                let volume = r.resource == "persistentvolumes"
-                    || r.resource.starts_with("persistentvolumes/");
-                r.namespace == others_namespace
-                    || (claim && r.name == others_claim)
-                    || (volume && r.name == others_volume)
-            })
-            .collect();
-        assert!(
-            trespasses.is_empty(),
-            "the instance in {writer} wrote the other's objects: {trespasses:?}"
-        );
-    }
-
-    // The chart's RBAC is enough for the second instance (the kustomize instance's is judged by
-    // tests/least_privilege.rs over the whole run).
-    for account in [
-        "second-pmem-csi-intel-com-node",
-        "second-pmem-csi-intel-com-controller",
-    ] {
-        let user = audit::service_account_user(SECOND_NAMESPACE, account);
-        assert!(
-            requests.iter().any(|r| r.user == user),
-            "{account} made no request"
-        );
-        let denied = audit::denials(&requests, &user);
-        assert!(denied.is_empty(), "{account} was denied: {denied:?}");
-    }
-
     // Uninstalled, the second leaves nothing; the first goes on.
     let rendered_classes: Vec<String> = second
         .rendered()
@@ -446,6 +384,75 @@ async fn a_second_instance_from_the_chart_provisions_beside_the_first_and_uninst
         .filter_map(|pv| pv.metadata.name)
         .collect();
     assert!(left.is_empty(), "volumes of the second left: {left:?}");
+
+    // Neither wrote the other's objects: its namespace, its claim or its volume (read after the
+    // uninstall, so that the requests of the second's shutdown count too).
+    let log = std::fs::read_to_string(env.audit_log()).expect("audit log");
+    let (requests, _) = audit::parse_log(&log);
+    let second_writes = writes_by(&requests, SECOND_NAMESPACE);
+    assert!(
+        second_writes
+            .iter()
+            .any(|r| r.resource == "csistoragecapacities" && r.namespace == SECOND_NAMESPACE),
+        "the audit log holds the second instance's writes"
+    );
+    assert!(
+        second_writes
+            .iter()
+            .any(|r| r.resource == "persistentvolumes" && r.name == volumes["data-b"].0),
+        "the audit log holds the second instance's provisioning"
+    );
+    assert!(
+        writes_by(&requests, NAMESPACE)
+            .iter()
+            .any(|r| r.resource == "persistentvolumes" && r.name == volumes["data-a"].0),
+        "the audit log holds the first instance's provisioning"
+    );
+    for (writer, others_namespace, others_claim, others_volume) in [
+        (
+            NAMESPACE,
+            SECOND_NAMESPACE,
+            "data-b",
+            volumes["data-b"].0.as_str(),
+        ),
+        (
+            SECOND_NAMESPACE,
+            NAMESPACE,
+            "data-a",
+            volumes["data-a"].0.as_str(),
+        ),
+    ] {
+        let trespasses: Vec<_> = writes_by(&requests, writer)
+            .into_iter()
+            .filter(|r| {
+                let claim = r.resource.starts_with("persistentvolumeclaims");
+                let volume = r.resource == "persistentvolumes"
+                    || r.resource.starts_with("persistentvolumes/");
+                r.namespace == others_namespace
+                    || (claim && r.name == others_claim)
+                    || (volume && r.name == others_volume)
+            })
+            .collect();
+        assert!(
+            trespasses.is_empty(),
+            "the instance in {writer} wrote the other's objects: {trespasses:?}"
+        );
+    }
+
+    // The chart's RBAC is enough for the second instance (the kustomize instance's is judged by
+    // tests/least_privilege.rs over the whole run).
+    for account in [
+        "second-pmem-csi-intel-com-node",
+        "second-pmem-csi-intel-com-controller",
+    ] {
+        let user = audit::service_account_user(SECOND_NAMESPACE, account);
+        assert!(
+            requests.iter().any(|r| r.user == user),
+            "{account} made no request"
+        );
+        let denied = audit::denials(&requests, &user);
+        assert!(denied.is_empty(), "{account} was denied: {denied:?}");
+    }
 
     claims
         .create(&pp, &test_objects::claim(&ns, "after", FIRST_CLASS, "64Mi"))

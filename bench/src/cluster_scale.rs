@@ -21,8 +21,8 @@ use kube::api::{ObjectMeta, PostParams};
 use testenv::node_driver::NodeDriverDirs;
 use testenv::{NodeSpec, TestEnv};
 
-use crate::memory::Resident;
 use crate::report::{Benchmark, Target};
+use crate::resident::Resident;
 
 const DRIVER: &str = "pmem-csi.intel.com";
 
@@ -35,8 +35,8 @@ fn metric(text: &str, prefix: &str) -> u64 {
     testenv::metrics::metric_value(text, prefix)
 }
 
-/// How long after the pass its memory is measured (jemalloc's decay returns freed pages within
-/// a second).
+/// How long after the pass its memory is measured: what an operator sees a moment later, once
+/// the pass's last reconciles and requeues have settled.
 const SETTLE: Duration = Duration::from_secs(3);
 
 /// The controller's memory target after the first pass (issue 26).
@@ -171,11 +171,10 @@ pub async fn rescheduler_pass(
     let pass = pass.context("the first pass did not finish within 10 minutes")?;
     let pid = controller.state().pid;
     let at_pass = pid.map_or_else(Resident::default, Resident::of);
-    // What an operator sees: the allocator returns freed pages within a second.
     tokio::time::sleep(SETTLE).await;
     let after = pid.map_or_else(Resident::default, Resident::of);
     controller.stop().await;
-    let caches = crate::memory::controller_caches(&client, testenv::manifests::NAMESPACE).await?;
+    let caches = crate::resident::controller_caches(&client, testenv::manifests::NAMESPACE).await?;
     let flags = serde_json::json!({
         "nodes": nodes, "claims": claims, "reschedule_grace": "10m",
         "kube_api_qps": 20, "kube_api_burst": 40, "pass_includes_process_start_and_cache_sync": true,
@@ -208,8 +207,8 @@ pub async fn rescheduler_pass(
             name: "controller-rss-after-pass".into(),
             description: format!("resident memory of pmem-csi controller 3 s after its first pass over {claims} claims on {nodes} nodes (MiB); secondary: the same process started on the cluster before those objects existed; where the bytes go in the flags (RssAnon/RssFile, and each cache's heap bytes rebuilt in the benchmark with the controller's trimming)"),
             unit: "MiB".into(),
-            samples: vec![crate::memory::mib(after.total)],
-            secondary: vec![crate::memory::mib(idle.total)],
+            samples: vec![crate::resident::mib(after.total)],
+            secondary: vec![crate::resident::mib(idle.total)],
             target: Target { p50_max: Some(CONTROLLER_RSS_TARGET_MIB), ..Target::none() },
             flags,
         },

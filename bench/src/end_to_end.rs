@@ -324,35 +324,36 @@ async fn stop(env: TestEnv) -> anyhow::Result<()> {
 /// claims' critical path, in percent of their created → Running time.
 const OWN_SHARE_TARGET_PERCENT: f64 = 5.0;
 
-/// Sum of the samples of every series of metric `name` (a `_sum` or `_count`) in `text`
-/// whose labels contain `labels`.
-fn metric_sum(text: &str, name: &str, labels: &str) -> f64 {
+/// Sum of the samples of every series of metric `name` (a `_sum` or `_count`) in `text` (no
+/// series yet: nothing observed, 0).
+fn metric_sum(text: &str, name: &str) -> f64 {
     text.lines()
-        .filter(|l| l.starts_with(name) && l.contains(labels))
+        .filter(|l| l.starts_with(name))
         .filter(|l| l[name.len()..].starts_with(['{', ' ']))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
 }
 
-/// Seconds our webhook and extender spent answering, from their metrics.
-async fn served_seconds(env: &TestEnv) -> (f64, f64) {
-    let webhook = match env.controller_ports() {
-        Some((_, admin)) => metric_sum(
-            &testenv::metrics::scrape_metrics(admin).await,
+/// Seconds our webhook and extender spent answering, from their metrics (an error when either
+/// does not run or its metrics cannot be read: the share would silently shrink).
+async fn served_seconds(env: &TestEnv) -> anyhow::Result<(f64, f64)> {
+    let (_, controller) = env.controller_ports().context("no controller runs")?;
+    let (_, extender) = env.extender_addresses().context("no extender runs")?;
+    let scrape = |port: u16, what: &'static str| async move {
+        let text = testenv::metrics::scrape_metrics(port).await;
+        anyhow::ensure!(!text.is_empty(), "no metrics from the {what}");
+        Ok(text)
+    };
+    Ok((
+        metric_sum(
+            &scrape(controller, "controller").await?,
             "controller_runtime_webhook_latency_seconds_sum",
-            "",
         ),
-        None => 0.0,
-    };
-    let extender = match env.extender_addresses() {
-        Some((_, admin)) => metric_sum(
-            &testenv::metrics::scrape_metrics(admin.port()).await,
+        metric_sum(
+            &scrape(extender.port(), "extender").await?,
             "pmem_csi_extender_request_duration_seconds_sum",
-            "",
         ),
-        None => 0.0,
-    };
-    (webhook, extender)
+    ))
 }
 
 /// The seconds of successful `method` calls in every node driver's JSON log.
@@ -371,17 +372,19 @@ fn driver_rpc_seconds(env: &TestEnv, method: &str) -> Vec<f64> {
 
 /// Requests of the node ServiceAccount (the drivers and csi-provisioners) the API server has
 /// audited so far.
-fn node_account_requests(env: &TestEnv) -> usize {
+fn node_account_requests(env: &TestEnv) -> anyhow::Result<usize> {
     let user = testenv::audit::service_account_user(
         testenv::manifests::NAMESPACE,
         "pmem-csi-intel-com-node",
     );
-    let text = std::fs::read_to_string(env.audit_log()).unwrap_or_default();
-    testenv::audit::parse_log(&text)
+    let path = env.audit_log();
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("reading the audit log {}", path.display()))?;
+    Ok(testenv::audit::parse_log(&text)
         .0
         .iter()
         .filter(|r| r.user == user)
-        .count()
+        .count())
 }
 
 /// One setting of the csi-provisioner sidecar and kube-controller-manager for
@@ -496,8 +499,8 @@ pub async fn pod_startup_with(
         "kube-controller-manager": setting.controller_manager_args.join(" "),
     });
     for &with_claims in runs {
-        let served_before = served_seconds(&env).await;
-        let requests_before = node_account_requests(&env);
+        let served_before = served_seconds(&env).await?;
+        let requests_before = node_account_requests(&env)?;
         let ns = testenv::test_namespace(&client, "startup").await?;
         let timeline = Shared::default();
         let watching = CancellationToken::new();
@@ -516,8 +519,8 @@ pub async fn pod_startup_with(
         watching.cancel();
         anyhow::ensure!(all, "not every pod of the burst ran within 10 minutes");
         totals.push(took.as_secs_f64());
-        let served_after = served_seconds(&env).await;
-        let requests = node_account_requests(&env) - requests_before;
+        let served_after = served_seconds(&env).await?;
+        let requests = node_account_requests(&env)? - requests_before;
         let t = lock(&timeline);
         if with_claims {
             out.push(own_share(

@@ -10,6 +10,7 @@ mod filter_floor;
 mod http_load;
 mod memory;
 mod report;
+mod resident;
 mod webhook_load;
 
 use std::path::{Path, PathBuf};
@@ -20,7 +21,7 @@ use clap::{Parser, Subcommand};
 use report::{Benchmark, Machine, Results, Target};
 
 #[global_allocator]
-static ALLOCATOR: memory::Counting = memory::Counting;
+static ALLOCATOR: resident::Counting = resident::Counting;
 
 #[derive(Parser, Debug)]
 #[command(name = "pmem-csi-bench")]

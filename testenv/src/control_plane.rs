@@ -176,7 +176,7 @@ impl ControlPlane {
             &audit_policy,
             audit::policy(&[
                 crate::manifests::NAMESPACE,
-                crate::instance::SECOND_NAMESPACE,
+                crate::manifests::SECOND_NAMESPACE,
             ]),
         )
         .map_err(|source| ControlPlaneError::Write {

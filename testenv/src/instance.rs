@@ -19,6 +19,7 @@ use kube::Api;
 use kube::api::{DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::core::{DynamicObject, GroupVersionKind};
 use kube::discovery::{Scope, pinned_kind};
+use tokio_util::sync::CancellationToken;
 
 use crate::manifests::{self, OurContainer, Overrides, PodFacts, Rendered};
 use crate::node_processes::{DriverOptions, NodeLauncher, NodeProcesses};
@@ -26,9 +27,7 @@ use crate::process::Supervised;
 use crate::service_accounts::{self, ServiceAccountError, ServiceAccountKubeconfigs};
 use crate::{TestEnv, TestEnvError, control_plane, node_processes, wait};
 
-/// The namespace of a second instance: the API server audits its ServiceAccounts' requests
-/// beside the first's (tests/two_instances.rs judges who wrote what).
-pub const SECOND_NAMESPACE: &str = "pmem-csi-second";
+pub use crate::manifests::SECOND_NAMESPACE;
 
 /// How long RBAC, the lease policy and the namespace's deletion may take.
 const WAIT: Duration = Duration::from_secs(60);
@@ -41,6 +40,8 @@ pub struct Instance {
     accounts: ServiceAccountKubeconfigs,
     nodes: Vec<NodeProcesses>,
     controller: Option<Supervised>,
+    /// Ends the renewal of the instance's tokens (its ServiceAccounts go with it).
+    renewal: CancellationToken,
 }
 
 impl Instance {
@@ -78,7 +79,8 @@ impl Instance {
     /// driver (after which kubelet forgets the driver and its CSINode entry goes), then every
     /// rendered object is deleted and the namespace with what the running driver created in it
     /// (Leases, capacity objects); returns once the namespace is gone. Volumes are not touched:
-    /// as with `helm uninstall`, delete them first.
+    /// as with `helm uninstall`, delete them first. The topology label stays on the nodes, as
+    /// kubelet leaves it.
     pub async fn uninstall(mut self, env: &TestEnv) -> Result<(), TestEnvError> {
         let client = env.client().await?;
         let driver = self.driver_name().to_string();
@@ -88,11 +90,19 @@ impl Instance {
         if let Some(kubelet) = env.kubelet() {
             kubelet.forget_driver(&driver);
         }
+        // Every process stops before anything can fail, so none is left running.
+        let nodes: Vec<String> = self.nodes.iter().map(|p| p.node.clone()).collect();
         for processes in std::mem::take(&mut self.nodes) {
             processes.provisioner.stop().await;
             processes.driver.stop().await;
-            node_processes::unregister(&client, &driver, &processes.node).await?;
         }
+        let mut unregistered = Ok(());
+        for node in &nodes {
+            if let Err(e) = node_processes::unregister(&client, &driver, node).await {
+                unregistered = unregistered.and(Err(e));
+            }
+        }
+        unregistered?;
         let deleted: Vec<&serde_yaml::Value> = self.rendered.objects().iter().rev().collect();
         for object in deleted {
             delete(&client, object).await?;
@@ -115,6 +125,7 @@ impl Instance {
             }
         })
         .await?;
+        self.renewal.cancel();
         Ok(())
     }
 }
@@ -163,6 +174,7 @@ impl TestEnv {
             parent: pki.clone(),
             source,
         })?;
+        let renewal = self.shutdown.child_token();
         let accounts = ServiceAccountKubeconfigs::issue(
             &client,
             namespace,
@@ -170,7 +182,7 @@ impl TestEnv {
             &pki,
             (&self.server(), &self.dir().join("pki/ca.crt")),
             service_accounts::TOKEN_LIFETIME / 3,
-            self.shutdown.child_token(),
+            renewal.clone(),
         )
         .await?;
         let unbound = accounts
@@ -246,6 +258,7 @@ impl TestEnv {
             accounts,
             nodes,
             controller,
+            renewal,
         })
     }
 }

@@ -24,6 +24,9 @@ pub const COMPONENT: &str = "manifests/components/scheduler-extender";
 pub const NODE_LOSS_COMPONENT: &str = "manifests/components/node-loss-recovery";
 /// The namespace the manifests install into.
 pub const NAMESPACE: &str = "pmem-csi";
+/// The namespace of a second instance ([`crate::instance`]): the API server audits its
+/// ServiceAccounts' requests beside the first's (tests/two_instances.rs judges who wrote what).
+pub const SECOND_NAMESPACE: &str = "pmem-csi-second";
 /// The ValidatingAdmissionPolicy (and its binding) that lets the node ServiceAccount write only
 /// the heartbeat Lease of the node its token is bound to (`manifests/base/node-lease-policy.yaml`).
 pub const NODE_LEASE_POLICY: &str = "pmem-csi-intel-com-node-leases";
