@@ -18,7 +18,7 @@ use testenv::audit;
 use testenv::instance::SECOND_NAMESPACE;
 use testenv::manifests::NAMESPACE;
 use testenv::node_processes::DriverOptions;
-use testenv::wait::until;
+use testenv::wait::{until, wait_gone};
 use testenv::{DEFAULT_DRIVER_NAME, TestEnv};
 
 const WAIT: Duration = Duration::from_secs(90);
@@ -86,6 +86,19 @@ async fn publishes(
     })
     .await
     .expect(what);
+}
+
+/// Pod `name` once it runs.
+async fn running_pod(pods: &Api<Pod>, name: &str) -> Pod {
+    until(&format!("pod {name} Running"), WAIT, || async {
+        let pod = pods.get(name).await.map_err(|e| e.to_string())?;
+        match pod.status.as_ref().and_then(|s| s.phase.as_deref()) {
+            Some("Running") => Ok(pod),
+            other => Err(format!("phase {other:?}")),
+        }
+    })
+    .await
+    .expect("running")
 }
 
 fn bytes(quantity: &str) -> i64 {
@@ -202,15 +215,7 @@ async fn a_second_instance_from_the_chart_provisions_beside_the_first_and_uninst
         ],
     );
     pods.create(&pp, &pod).await.expect("pod");
-    let running = until("the pod with both volumes Running", WAIT, || async {
-        let pod = pods.get("app").await.map_err(|e| e.to_string())?;
-        match pod.status.as_ref().and_then(|s| s.phase.as_deref()) {
-            Some("Running") => Ok(pod),
-            other => Err(format!("phase {other:?}")),
-        }
-    })
-    .await
-    .expect("running");
+    let running = running_pod(&pods, "app").await;
     let node = running
         .spec
         .as_ref()
@@ -266,14 +271,7 @@ async fn a_second_instance_from_the_chart_provisions_beside_the_first_and_uninst
     pods.delete("app", &DeleteParams::default())
         .await
         .expect("delete pod");
-    until("the pod gone", WAIT, || async {
-        match pods.get_opt("app").await.map_err(|e| e.to_string())? {
-            None => Ok(()),
-            Some(_) => Err("still there".to_string()),
-        }
-    })
-    .await
-    .expect("pod gone");
+    wait_gone(&pods, "app", WAIT).await.expect("pod gone");
     for claim in ["data-a", "data-b"] {
         claims
             .delete(claim, &DeleteParams::default())
@@ -281,18 +279,8 @@ async fn a_second_instance_from_the_chart_provisions_beside_the_first_and_uninst
             .expect("delete claim");
     }
     for (pv, _) in volumes.values() {
-        until(
-            &format!("{pv} deleted by its provisioner"),
-            WAIT,
-            || async {
-                match pvs.get_opt(pv).await.map_err(|e| e.to_string())? {
-                    None => Ok(()),
-                    Some(_) => Err("still there".to_string()),
-                }
-            },
-        )
-        .await
-        .expect("pv gone");
+        // Deleted by its own instance's provisioner.
+        wait_gone(&pvs, pv, WAIT).await.expect("pv gone");
     }
     publishes(
         &client,
@@ -461,15 +449,8 @@ async fn a_second_instance_from_the_chart_provisions_beside_the_first_and_uninst
     pods.create(&pp, &test_objects::pod_with_claim(&ns, "after", "after"))
         .await
         .expect("pod after");
-    until("the first still provisions", WAIT, || async {
-        let pod = pods.get("after").await.map_err(|e| e.to_string())?;
-        match pod.status.as_ref().and_then(|s| s.phase.as_deref()) {
-            Some("Running") => Ok(()),
-            other => Err(format!("phase {other:?}")),
-        }
-    })
-    .await
-    .expect("first still works");
+    // The first still provisions.
+    running_pod(&pods, "after").await;
     pods.delete("after", &DeleteParams::default())
         .await
         .expect("delete");

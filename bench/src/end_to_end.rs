@@ -453,6 +453,18 @@ pub async fn pod_startup(scale: &Scale) -> anyhow::Result<Vec<Benchmark>> {
     pod_startup_with(scale, &StartupSetting::shipped(), true).await
 }
 
+/// The start-up benchmark under each of `settings` in turn, the first one also without volumes.
+pub async fn startup_sweep(
+    scale: &Scale,
+    settings: &[StartupSetting],
+) -> anyhow::Result<Vec<Benchmark>> {
+    let mut out = Vec::new();
+    for (i, setting) in settings.iter().enumerate() {
+        out.extend(pod_startup_with(scale, setting, i == 0).await?);
+    }
+    Ok(out)
+}
+
 /// The pod start-up benchmark under provisioner `setting`: the burst with claims, its stages
 /// and pmem-csi's own share of it, and (`baseline`) the same burst without volumes.
 pub async fn pod_startup_with(

@@ -231,17 +231,11 @@ fn main() -> anyhow::Result<()> {
                 } else {
                     end_to_end::Scale::startup(sweep_nodes, sweep_pods)
                 };
-                let mut benchmarks = Vec::new();
-                let settings = end_to_end::StartupSetting::sweep()
+                let settings: Vec<_> = end_to_end::StartupSetting::sweep()
                     .into_iter()
-                    .filter(|s| sweep_settings.is_empty() || sweep_settings.contains(&s.label));
-                for (i, setting) in settings.enumerate() {
-                    benchmarks.extend(runtime.block_on(end_to_end::pod_startup_with(
-                        &scale,
-                        &setting,
-                        i == 0,
-                    ))?);
-                }
+                    .filter(|s| sweep_settings.is_empty() || sweep_settings.contains(&s.label))
+                    .collect();
+                let benchmarks = runtime.block_on(end_to_end::startup_sweep(&scale, &settings))?;
                 print_quantiles(&benchmarks);
                 if !smoke {
                     publish(&root, benchmarks, Some(&format!("startup-{sweep_nodes}")))?;
@@ -300,10 +294,7 @@ fn main() -> anyhow::Result<()> {
                 } else {
                     memory::Scale::full()
                 };
-                let (nodes, claims) = memory.controller;
-                let mut out = cluster_scale::rescheduler_pass(&env, nodes, claims).await?;
-                out.extend(memory::node_driver(&env, &root, memory.driver_volumes).await?);
-                out.push(memory::extender(&env, memory.extender.0, nodes, claims).await?);
+                let mut out = memory::on(&env, &root, &memory).await?;
                 out.push(
                     cluster_scale::capacity_latency(&env, &root, if smoke { 5 } else { 200 })
                         .await?,
@@ -326,13 +317,10 @@ fn main() -> anyhow::Result<()> {
             };
             benchmarks.extend(runtime.block_on(webhook_load::mutate(&load))?);
             benchmarks.extend(runtime.block_on(webhook_load::filter(&load))?);
-            for (i, setting) in end_to_end::StartupSetting::sweep().iter().enumerate() {
-                benchmarks.extend(runtime.block_on(end_to_end::pod_startup_with(
-                    &e2e,
-                    setting,
-                    i == 0,
-                ))?);
-            }
+            benchmarks.extend(runtime.block_on(end_to_end::startup_sweep(
+                &e2e,
+                &end_to_end::StartupSetting::sweep(),
+            ))?);
             benchmarks.extend(runtime.block_on(end_to_end::storage_bound(&e2e))?);
             if smoke {
                 for b in &benchmarks {

@@ -46,21 +46,31 @@ pub async fn run(root: &std::path::Path, scale: &Scale) -> anyhow::Result<Vec<Be
         .start()
         .await
         .context("starting testenv")?;
-    let result = async {
-        let (nodes, claims) = scale.controller;
-        let mut out = crate::cluster_scale::rescheduler_pass(&env, nodes, claims).await?;
-        out.retain(|b| b.name == "controller-rss-after-pass");
-        out.extend(node_driver(&env, root, scale.driver_volumes).await?);
-        out.push(extender(&env, scale.extender.0, scale.controller.0, claims).await?);
-        anyhow::Ok(out)
-    }
-    .await;
+    let result = on(&env, root, scale).await.map(|mut out| {
+        // The pass's throughput rows belong to the full run.
+        out.retain(|b| !b.name.starts_with("rescheduler-"));
+        out
+    });
     let leftovers = env.stop().await;
     let remaining = leftovers
         .wait_clean(std::time::Duration::from_secs(20))
         .await;
     anyhow::ensure!(remaining.is_empty(), "left behind: {remaining:?}");
     result
+}
+
+/// On `env`: the controller's first pass (its rows, memory included), then the node driver's
+/// and the extender's memory, the extender on the pass's nodes and claims.
+pub async fn on(
+    env: &testenv::TestEnv,
+    root: &std::path::Path,
+    scale: &Scale,
+) -> anyhow::Result<Vec<Benchmark>> {
+    let (nodes, claims) = scale.controller;
+    let mut out = crate::cluster_scale::rescheduler_pass(env, nodes, claims).await?;
+    out.extend(node_driver(env, root, scale.driver_volumes).await?);
+    out.push(extender(env, scale.extender.0, nodes, claims).await?);
+    Ok(out)
 }
 
 const DRIVER: &str = "pmem-csi.intel.com";

@@ -117,14 +117,7 @@ impl Instance {
             Err(kube::Error::Api(status)) if status.code == 404 => {}
             Err(e) => return Err(e.into()),
         }
-        wait::until(&format!("namespace {namespace} to go"), WAIT, || async {
-            match namespaces.get_opt(&namespace).await {
-                Ok(None) => Ok(()),
-                Ok(Some(_)) => Err("still there".to_string()),
-                Err(e) => Err(e.to_string()),
-            }
-        })
-        .await?;
+        wait::wait_gone(&namespaces, &namespace, WAIT).await?;
         self.renewal.cancel();
         Ok(())
     }
