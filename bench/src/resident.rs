@@ -9,8 +9,9 @@ use std::hash::Hash;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 
 use anyhow::Context;
+use controllers::claim_summary::ClaimSummary;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Node, PersistentVolumeClaim};
+use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::storage::v1::{CSINode, CSIStorageCapacity, StorageClass};
 use kube::api::ListParams;
 use kube::runtime::reflector;
@@ -172,7 +173,7 @@ pub async fn controller_caches(
     };
     add(
         "PersistentVolumeClaim",
-        cache_bytes(Api::<PersistentVolumeClaim>::all(client.clone()))
+        cache_bytes(Api::<ClaimSummary>::all(client.clone()))
             .await
             .context("claims")?,
     );

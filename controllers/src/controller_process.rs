@@ -8,7 +8,7 @@ use futures::StreamExt;
 use tokio::sync::mpsc;
 
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Node, PersistentVolumeClaim};
+use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::storage::v1::{CSINode, StorageClass};
 use kube::Api;
 use kube::runtime::events::Reporter;
@@ -18,6 +18,7 @@ use prometheus_client::registry::Registry;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use crate::claim_summary::ClaimSummary;
 use crate::concern::{Concern, ConcernError, Elector};
 use crate::flags::{ClientBudget, FlagError, KubeApiArgs, LivenessArgs, duration};
 use crate::leader::LeaderMetrics;
@@ -202,7 +203,7 @@ pub struct ControllerProcess {
     election_client: kube::Client,
     stores: Stores,
     /// Taken by the claim forwarder when the caches have synced.
-    claim_events: Option<ReflectHandle<PersistentVolumeClaim>>,
+    claim_events: Option<ReflectHandle<ClaimSummary>>,
     tasks: JoinSet<()>,
     synced: ReadyFlag,
     rescheduler_metrics: ReschedulerMetrics,
@@ -224,7 +225,7 @@ impl ControllerProcess {
         let election_client = crate::rate_limit::client(ELECTION_BUDGET).await?;
         let mut tasks = JoinSet::new();
         let (claims, claim_events) = stores::shared(
-            Api::<PersistentVolumeClaim>::all(client.clone()),
+            Api::<ClaimSummary>::all(client.clone()),
             watcher::Config::default(),
             &mut tasks,
         );
@@ -417,11 +418,11 @@ impl ControllerProcess {
 /// would stall every cache of the process; its events reach the rescheduler only while it
 /// leads). A new leader starts from every claim in `claims`, not only from what changes next.
 fn rescheduler_concerns(
-    claim_events: ReflectHandle<PersistentVolumeClaim>,
-    claims: kube::runtime::reflector::Store<PersistentVolumeClaim>,
+    claim_events: ReflectHandle<ClaimSummary>,
+    claims: kube::runtime::reflector::Store<ClaimSummary>,
     make: impl Fn() -> Rescheduler + Send + Sync + 'static,
 ) -> [Concern; 2] {
-    type Slot = Arc<Mutex<Option<mpsc::Sender<Arc<PersistentVolumeClaim>>>>>;
+    type Slot = Arc<Mutex<Option<mpsc::Sender<Arc<ClaimSummary>>>>>;
     let term_sender: Slot = Arc::default();
     let forward_to = term_sender.clone();
     let forwarder = Concern::everywhere("claim-forwarder", move |token| {

@@ -6,6 +6,7 @@ pub mod bypass;
 pub mod capacity_cleanup;
 pub mod capacity_publisher;
 pub mod capacity_source;
+pub mod claim_summary;
 pub mod concern;
 pub mod controller_process;
 pub mod duration;

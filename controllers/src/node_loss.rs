@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::core::v1::{Node, PersistentVolume, Pod};
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, Preconditions};
 use kube::runtime::WatchStreamExt;
@@ -38,6 +38,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
+use crate::claim_summary::ClaimSummary;
 use crate::instrument::Instrument;
 use crate::liveness::DriverlessReason;
 use crate::liveness_view::LivenessView;
@@ -521,7 +522,7 @@ impl Context {
         &self.liveness.settings().driver
     }
 
-    fn class_value(&self, claim: &PersistentVolumeClaim) -> Option<String> {
+    fn class_value(&self, claim: &ClaimSummary) -> Option<String> {
         let class = claim.spec.as_ref()?.storage_class_name.as_deref()?;
         let class = self
             .stores
@@ -537,7 +538,7 @@ impl Context {
 
     fn claim_state(
         &self,
-        claim: Option<&PersistentVolumeClaim>,
+        claim: Option<&ClaimSummary>,
         uid: Option<&str>,
         volume: &str,
     ) -> ClaimState {
@@ -630,7 +631,7 @@ impl Context {
             .insert(key.to_string())
     }
 
-    async fn publish(&self, claim: &PersistentVolumeClaim, reason: &str, note: String) {
+    async fn publish(&self, claim: &ClaimSummary, reason: &str, note: String) {
         let event = Event {
             type_: EventType::Warning,
             reason: reason.into(),
@@ -661,7 +662,7 @@ async fn recover(pv: &PersistentVolume, ctx: &Context) -> Result<Action, NodeLos
     let cached_claim = ctx
         .stores
         .claims
-        .get(&ObjectRef::<PersistentVolumeClaim>::new(&name).within(&namespace));
+        .get(&ObjectRef::<ClaimSummary>::new(&name).within(&namespace));
     let cached_node = ctx.stores.nodes.get(&ObjectRef::<Node>::new(&node));
     let now = k8s_openapi::jiff::Timestamp::now();
     let driverless = ctx.liveness.driverless_for(&node);
@@ -696,7 +697,7 @@ async fn recover(pv: &PersistentVolume, ctx: &Context) -> Result<Action, NodeLos
         .confirm(&node)
         .await
         .map_err(err("confirming the node's loss"))?;
-    let claims = Api::<PersistentVolumeClaim>::namespaced(ctx.client.clone(), &namespace);
+    let claims = Api::<ClaimSummary>::namespaced(ctx.client.clone(), &namespace);
     let fresh_claim = claims
         .get_opt(&name)
         .await
@@ -867,13 +868,13 @@ async fn recover(pv: &PersistentVolume, ctx: &Context) -> Result<Action, NodeLos
 }
 
 /// Whether `claim` (from the cache) was reported as `kind` this term.
-fn reported(ctx: &Context, kind: &str, claim: Option<&PersistentVolumeClaim>) -> bool {
+fn reported(ctx: &Context, kind: &str, claim: Option<&ClaimSummary>) -> bool {
     claim
         .and_then(|c| c.metadata.uid.as_deref())
         .is_some_and(|uid| ctx.was_reported(&format!("{kind}/{uid}")))
 }
 
-fn uid_or(claim: &PersistentVolumeClaim, fallback: &str) -> String {
+fn uid_or(claim: &ClaimSummary, fallback: &str) -> String {
     claim
         .metadata
         .uid

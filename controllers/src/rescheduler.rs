@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::PersistentVolumeClaim;
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
@@ -20,6 +19,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
+use crate::claim_summary::ClaimSummary;
 use crate::instrument::Instrument;
 use crate::liveness::{DriverlessReason, Liveness};
 use crate::liveness_view::LivenessView;
@@ -205,15 +205,15 @@ pub struct Rescheduler {
     liveness: LivenessView,
     recorder: Recorder,
     metrics: ReschedulerMetrics,
-    instrument: Instrument<PersistentVolumeClaim>,
+    instrument: Instrument<ClaimSummary>,
 }
 
 /// The facts of `claim`, and of its class when `classes` has it.
 pub fn claim_facts(
-    claim: &PersistentVolumeClaim,
+    claim: &ClaimSummary,
     classes: &Store<StorageClass>,
 ) -> (ClaimFacts, Option<ClassFacts>) {
-    let facts = ClaimFacts::of(claim);
+    let facts = ClaimFacts::of_summary(claim);
     let class = facts
         .class
         .as_deref()
@@ -245,7 +245,7 @@ impl Rescheduler {
     /// Runs until `shutdown`, triggered by claims from the shared claim watch.
     pub async fn run(
         self,
-        trigger: impl futures::Stream<Item = Arc<PersistentVolumeClaim>> + Send + 'static,
+        trigger: impl futures::Stream<Item = Arc<ClaimSummary>> + Send + 'static,
         shutdown: CancellationToken,
     ) {
         let claims = self.stores.claims.clone();
@@ -262,7 +262,7 @@ impl Rescheduler {
         tokio::join!(controller, scan);
     }
 
-    async fn reconcile(&self, claim: &PersistentVolumeClaim) -> Result<Action, RescheduleError> {
+    async fn reconcile(&self, claim: &ClaimSummary) -> Result<Action, RescheduleError> {
         let driver = self.liveness.settings().driver.clone();
         let grace = self.liveness.settings().grace;
         let (facts, class) = claim_facts(claim, &self.stores.classes);
@@ -301,7 +301,7 @@ impl Rescheduler {
             }
         };
         // Confirm with uncached reads: the claim as it is now, and the node's objects.
-        let api = Api::<PersistentVolumeClaim>::namespaced(self.client.clone(), &namespace);
+        let api = Api::<ClaimSummary>::namespaced(self.client.clone(), &namespace);
         let Some(fresh) = api.get_opt(&name).await.map_err(api_err("reading"))? else {
             return Ok(Action::await_change());
         };
@@ -383,7 +383,7 @@ async fn scan_waiting(
 }
 
 async fn reconcile(
-    claim: Arc<PersistentVolumeClaim>,
+    claim: Arc<ClaimSummary>,
     ctx: Arc<Rescheduler>,
 ) -> Result<Action, RescheduleError> {
     ctx.instrument
@@ -392,7 +392,7 @@ async fn reconcile(
 }
 
 fn error_policy(
-    claim: Arc<PersistentVolumeClaim>,
+    claim: Arc<ClaimSummary>,
     error: &RescheduleError,
     ctx: Arc<Rescheduler>,
 ) -> Action {

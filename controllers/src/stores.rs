@@ -6,7 +6,7 @@ use std::hash::Hash;
 
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Node, NodeCondition, NodeStatus, PersistentVolumeClaim};
+use k8s_openapi::api::core::v1::{Node, NodeCondition, NodeStatus};
 use k8s_openapi::api::storage::v1::{CSINode, StorageClass};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::reflector::{self, ReflectHandle, Store};
@@ -15,14 +15,16 @@ use kube::{Api, Resource};
 use serde::de::DeserializeOwned;
 use tokio::task::JoinSet;
 
+use crate::claim_summary::ClaimSummary;
+
 /// Events a subscriber may lag behind before the shared watch waits for it.
 const SUBSCRIBER_BUFFER: usize = 4096;
 
 /// Trims what a cache keeps of each object to what the concerns read: managedFields always;
 /// a Node's spec, annotations and status (images, conditions, addresses: most of its bytes) but
 /// for its Ready condition's status and last transition (the node-loss recovery's view of the
-/// kubelet); a CSINode's driver entries but for their names; a claim's status, which nothing
-/// here reads. Memory grows with the cluster, so this matters at scale (`just bench`'s memory
+/// kubelet); a CSINode's driver entries but for their names. Claims are cached as
+/// [`ClaimSummary`], which keeps what is read already while decoding. Memory grows with the cluster, so this matters at scale (`just bench`'s memory
 /// rows show each cache's bytes).
 pub fn trim<K: Resource + std::any::Any>(object: &mut K) {
     object.meta_mut().managed_fields = None;
@@ -53,39 +55,14 @@ pub fn trim<K: Resource + std::any::Any>(object: &mut K) {
             driver.topology_keys = None;
             driver.node_id = String::new();
         }
-    } else if let Some(claim) = any.downcast_mut::<PersistentVolumeClaim>() {
-        // The rescheduler reads the class, the bound volume, deletion, and three annotations.
-        claim.status = None;
-        let meta = &mut claim.metadata;
-        meta.labels = None;
-        meta.finalizers = None;
-        meta.owner_references = None;
-        if let Some(annotations) = meta.annotations.as_mut() {
-            annotations.retain(|k, _| KEPT_CLAIM_ANNOTATIONS.contains(&k.as_str()));
-        }
-        if let Some(spec) = claim.spec.as_mut() {
-            spec.resources = None;
-            spec.access_modes = None;
-            spec.data_source = None;
-            spec.data_source_ref = None;
-            spec.selector = None;
-        }
     }
 }
-
-/// The claim annotations the rescheduler and the node-loss recovery read.
-const KEPT_CLAIM_ANNOTATIONS: [&str; 4] = [
-    crate::well_known::RECREATE_ON_NODE_LOSS,
-    crate::well_known::SELECTED_NODE,
-    crate::well_known::STORAGE_PROVISIONER,
-    crate::well_known::BETA_STORAGE_PROVISIONER,
-];
 
 /// The caches of `pmem-csi controller`.
 #[derive(Clone)]
 pub struct Stores {
     /// PersistentVolumeClaims, all namespaces.
-    pub claims: Store<PersistentVolumeClaim>,
+    pub claims: Store<ClaimSummary>,
     /// StorageClasses.
     pub classes: Store<StorageClass>,
     /// Nodes.
@@ -201,7 +178,6 @@ impl Stores {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::api::core::v1::PersistentVolumeClaimStatus;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
 
     #[test]
@@ -272,48 +248,6 @@ mod tests {
             node.metadata.labels.is_some(),
             "labels are what the judgement reads"
         );
-        let mut claim = PersistentVolumeClaim {
-            metadata: kube::api::ObjectMeta {
-                annotations: Some(
-                    [
-                        (
-                            "volume.kubernetes.io/selected-node".to_string(),
-                            "n1".to_string(),
-                        ),
-                        (
-                            "kubectl.kubernetes.io/last-applied-configuration".to_string(),
-                            "{…}".to_string(),
-                        ),
-                    ]
-                    .into(),
-                ),
-                finalizers: Some(vec!["kubernetes.io/pvc-protection".into()]),
-                ..Default::default()
-            },
-            spec: Some(k8s_openapi::api::core::v1::PersistentVolumeClaimSpec {
-                storage_class_name: Some("c".into()),
-                volume_name: Some("pv".into()),
-                access_modes: Some(vec!["ReadWriteOnce".into()]),
-                ..Default::default()
-            }),
-            status: Some(PersistentVolumeClaimStatus::default()),
-        };
-        trim(&mut claim);
-        assert!(claim.status.is_none() && claim.metadata.finalizers.is_none());
-        let annotations = claim.metadata.annotations.clone().unwrap_or_default();
-        assert_eq!(
-            annotations.keys().collect::<Vec<_>>(),
-            ["volume.kubernetes.io/selected-node"]
-        );
-        let spec = claim.spec.clone().unwrap_or_default();
-        assert_eq!(
-            (
-                spec.storage_class_name.as_deref(),
-                spec.volume_name.as_deref()
-            ),
-            (Some("c"), Some("pv"))
-        );
-        assert!(spec.access_modes.is_none());
         let mut class = StorageClass {
             provisioner: "p".into(),
             ..Default::default()

@@ -11,6 +11,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::jiff::Timestamp;
 
+use crate::claim_summary::ClaimSummary;
 use crate::well_known::{
     BETA_DEFAULT_CLASS, BETA_STORAGE_PROVISIONER, DEFAULT_CLASS, IMMEDIATE, SELECTED_NODE,
     STORAGE_PROVISIONER, topology_key,
@@ -79,19 +80,41 @@ impl ClaimFacts {
     pub fn of(claim: &PersistentVolumeClaim) -> Self {
         let spec = claim.spec.as_ref();
         ClaimFacts {
-            class: spec.and_then(|s| non_empty(s.storage_class_name.as_deref())),
-            volume_name: spec.and_then(|s| non_empty(s.volume_name.as_deref())),
-            selected_node: claim
-                .metadata
+            request: spec.and_then(|s| storage_request(s.resources.as_ref()?.requests.as_ref())),
+            growth_failed: growth_failed(claim),
+            ..ClaimFacts::of_parts(
+                &claim.metadata,
+                spec.and_then(|s| s.storage_class_name.as_deref()),
+                spec.and_then(|s| s.volume_name.as_deref()),
+            )
+        }
+    }
+
+    /// The facts of a cached claim: as [`ClaimFacts::of`] but without `request` and
+    /// `growth_failed`, which a summary does not keep.
+    pub fn of_summary(claim: &ClaimSummary) -> Self {
+        let spec = claim.spec.as_ref();
+        ClaimFacts::of_parts(
+            &claim.metadata,
+            spec.and_then(|s| s.storage_class_name.as_deref()),
+            spec.and_then(|s| s.volume_name.as_deref()),
+        )
+    }
+
+    fn of_parts(meta: &ObjectMeta, class: Option<&str>, volume_name: Option<&str>) -> Self {
+        ClaimFacts {
+            class: non_empty(class),
+            volume_name: non_empty(volume_name),
+            selected_node: meta
                 .annotations
                 .as_ref()
                 .and_then(|a| a.get(SELECTED_NODE))
                 .cloned(),
-            provisioner_annotation: provisioner_annotation(&claim.metadata),
-            request: spec.and_then(|s| storage_request(s.resources.as_ref()?.requests.as_ref())),
-            deleting: claim.metadata.deletion_timestamp.is_some(),
-            uid: claim.metadata.uid.clone(),
-            growth_failed: growth_failed(claim),
+            provisioner_annotation: provisioner_annotation(meta),
+            request: None,
+            deleting: meta.deletion_timestamp.is_some(),
+            uid: meta.uid.clone(),
+            growth_failed: false,
         }
     }
 
@@ -120,6 +143,12 @@ fn growth_failed(claim: &PersistentVolumeClaim) -> bool {
 impl From<&PersistentVolumeClaim> for ClaimFacts {
     fn from(claim: &PersistentVolumeClaim) -> Self {
         ClaimFacts::of(claim)
+    }
+}
+
+impl From<&ClaimSummary> for ClaimFacts {
+    fn from(claim: &ClaimSummary) -> Self {
+        ClaimFacts::of_summary(claim)
     }
 }
 
@@ -352,6 +381,37 @@ mod tests {
             serde_json::from_value(json!({"spec": {"resources": {"requests": {"storage": "0"}}}}))
                 .expect("claim");
         assert_eq!(ClaimFacts::of(&empty), ClaimFacts::default());
+    }
+
+    #[test]
+    fn a_summary_has_the_same_facts_but_request_and_growth() {
+        let claims = [
+            json!({
+                "metadata": {"name": "c", "namespace": "ns", "uid": "u1",
+                    "deletionTimestamp": "2026-01-01T00:00:00Z",
+                    "annotations": {SELECTED_NODE: "n1", BETA_STORAGE_PROVISIONER: DRIVER,
+                        STORAGE_PROVISIONER: "other", "x": "y"}},
+                "spec": {"storageClassName": "", "volumeName": "pv1",
+                    "resources": {"requests": {"storage": "1Gi"}}},
+                "status": {"conditions": [{"type": "NodeResizeError", "status": "True"}]}
+            }),
+            json!({"spec": {"storageClassName": "sc"}}),
+            json!({"metadata": {"annotations": {STORAGE_PROVISIONER: DRIVER}}}),
+            json!({}),
+        ];
+        for value in claims {
+            let full: PersistentVolumeClaim = serde_json::from_value(value.clone()).expect("claim");
+            let summary: ClaimSummary = serde_json::from_value(value.clone()).expect("summary");
+            assert_eq!(
+                ClaimFacts::of_summary(&summary),
+                ClaimFacts {
+                    request: None,
+                    growth_failed: false,
+                    ..ClaimFacts::of(&full)
+                },
+                "{value}"
+            );
+        }
     }
 
     #[test]

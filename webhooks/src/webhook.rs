@@ -26,6 +26,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
+use controllers::claim_summary::ClaimSummary;
 use controllers::flags::{self, FlagError};
 use controllers::stores::Stores;
 
@@ -562,7 +563,7 @@ impl pod_volumes::Lookup for CacheLookup<'_> {
                 let claim = self
                     .stores
                     .claims
-                    .get(&ObjectRef::<PersistentVolumeClaim>::new(&key.name).within(&key.namespace))
+                    .get(&ObjectRef::<ClaimSummary>::new(&key.name).within(&key.namespace))
                     .map(|c| ClaimFacts::from(c.as_ref()));
                 (key, claim)
             })
@@ -602,7 +603,7 @@ fn cached_claim(shared: &Shared, key: &pod_volumes::ClaimKey) -> Option<ClaimFac
     let claim = shared
         .stores
         .claims
-        .get(&ObjectRef::<PersistentVolumeClaim>::new(&key.name).within(&key.namespace))?;
+        .get(&ObjectRef::<ClaimSummary>::new(&key.name).within(&key.namespace))?;
     shared.metrics.lookup("claim", "cache");
     Some(ClaimFacts::from(claim.as_ref()))
 }
