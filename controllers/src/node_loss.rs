@@ -551,13 +551,9 @@ impl Context {
         if claim.spec.as_ref().and_then(|s| s.volume_name.as_deref()) != Some(volume) {
             return ClaimState::Elsewhere;
         }
-        let own = claim
-            .metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(RECREATE_ON_NODE_LOSS));
+        let own = claim.annotations.recreate_on_node_loss.as_deref();
         ClaimState::Present {
-            opt_in: opt_in(own.map(String::as_str), self.class_value(claim).as_deref()),
+            opt_in: opt_in(own, self.class_value(claim).as_deref()),
         }
     }
 

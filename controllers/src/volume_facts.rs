@@ -86,6 +86,13 @@ impl ClaimFacts {
                 &claim.metadata,
                 spec.and_then(|s| s.storage_class_name.as_deref()),
                 spec.and_then(|s| s.volume_name.as_deref()),
+                claim
+                    .metadata
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.get(SELECTED_NODE))
+                    .cloned(),
+                provisioner_annotation(&claim.metadata),
             )
         }
     }
@@ -98,19 +105,23 @@ impl ClaimFacts {
             &claim.metadata,
             spec.and_then(|s| s.storage_class_name.as_deref()),
             spec.and_then(|s| s.volume_name.as_deref()),
+            claim.annotations.selected_node.clone(),
+            claim.annotations.provisioner.clone(),
         )
     }
 
-    fn of_parts(meta: &ObjectMeta, class: Option<&str>, volume_name: Option<&str>) -> Self {
+    fn of_parts(
+        meta: &ObjectMeta,
+        class: Option<&str>,
+        volume_name: Option<&str>,
+        selected_node: Option<String>,
+        provisioner_annotation: Option<String>,
+    ) -> Self {
         ClaimFacts {
             class: non_empty(class),
             volume_name: non_empty(volume_name),
-            selected_node: meta
-                .annotations
-                .as_ref()
-                .and_then(|a| a.get(SELECTED_NODE))
-                .cloned(),
-            provisioner_annotation: provisioner_annotation(meta),
+            selected_node,
+            provisioner_annotation,
             request: None,
             deleting: meta.deletion_timestamp.is_some(),
             uid: meta.uid.clone(),
@@ -397,6 +408,7 @@ mod tests {
             }),
             json!({"spec": {"storageClassName": "sc"}}),
             json!({"metadata": {"annotations": {STORAGE_PROVISIONER: DRIVER}}}),
+            json!({"metadata": {"annotations": {BETA_STORAGE_PROVISIONER: DRIVER, "a": "b"}}}),
             json!({}),
         ];
         for value in claims {
