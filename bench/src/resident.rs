@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 
 use anyhow::Context;
 use controllers::claim_summary::ClaimSummary;
+use controllers::node_summary::NodeSummary;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::storage::v1::{CSINode, CSIStorageCapacity, StorageClass};
 use kube::api::ListParams;
 use kube::runtime::reflector;
@@ -179,7 +179,7 @@ pub async fn controller_caches(
     );
     add(
         "Node",
-        cache_bytes(Api::<Node>::all(client.clone()))
+        cache_bytes(Api::<NodeSummary>::all(client.clone()))
             .await
             .context("nodes")?,
     );

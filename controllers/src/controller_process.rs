@@ -8,7 +8,6 @@ use futures::StreamExt;
 use tokio::sync::mpsc;
 
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::storage::v1::{CSINode, StorageClass};
 use kube::Api;
 use kube::runtime::events::Reporter;
@@ -24,6 +23,7 @@ use crate::flags::{ClientBudget, FlagError, KubeApiArgs, LivenessArgs, duration}
 use crate::leader::LeaderMetrics;
 use crate::liveness_view::{LivenessSettings, LivenessView};
 use crate::node_loss::{NodeLossMetrics, NodeLossRecovery, NodeLossSettings};
+use crate::node_summary::NodeSummary;
 use crate::readiness::{Readiness, ReadyFlag};
 use crate::reconcile_metrics::ReconcileMetrics;
 use crate::rescheduler::{Rescheduler, ReschedulerMetrics};
@@ -237,7 +237,7 @@ impl ControllerProcess {
                 &mut tasks,
             ),
             nodes: stores::cache(
-                Api::<Node>::all(client.clone()),
+                Api::<NodeSummary>::all(client.clone()),
                 watcher::Config::default(),
                 &mut tasks,
             ),

@@ -21,6 +21,7 @@ pub mod logging;
 pub mod names;
 pub mod node_loss;
 pub mod node_selector;
+pub mod node_summary;
 pub mod orphan_sweep;
 pub mod pod_volumes;
 pub mod quantity;

@@ -7,7 +7,6 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::storage::v1::CSINode;
 use kube::Api;
 use kube::runtime::reflector::ObjectRef;
@@ -15,6 +14,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::liveness::{self, CsiNodeState, HeartbeatState, Liveness, NodeObservation};
 use crate::node_selector::NodeSelector;
+use crate::node_summary::NodeSummary;
 use crate::stores::NodeStores;
 use crate::well_known::heartbeat_lease_name;
 
@@ -94,7 +94,7 @@ impl LivenessView {
 
     /// What the stores show about `node` now.
     pub fn observe(&self, node: &str) -> NodeObservation {
-        let n = self.stores.nodes.get(&ObjectRef::<Node>::new(node));
+        let n = self.stores.nodes.get(&ObjectRef::<NodeSummary>::new(node));
         let csinode = self.stores.csinodes.get(&ObjectRef::<CSINode>::new(node));
         let lease = self.settings.heartbeat.map(|_| {
             self.stores.leases.get(
@@ -242,8 +242,10 @@ impl LivenessView {
         &self,
         client: &kube::Client,
         node: &str,
-    ) -> Result<(Option<liveness::DriverlessReason>, Option<Node>), kube::Error> {
-        let n = Api::<Node>::all(client.clone()).get_opt(node).await?;
+    ) -> Result<(Option<liveness::DriverlessReason>, Option<NodeSummary>), kube::Error> {
+        let n = Api::<NodeSummary>::all(client.clone())
+            .get_opt(node)
+            .await?;
         let csinode = Api::<CSINode>::all(client.clone()).get_opt(node).await?;
         let lease = match self.settings.heartbeat {
             Some(_) => Some(
@@ -266,7 +268,7 @@ impl LivenessView {
 /// Builds the observation from objects (`lease`: `None` = heartbeats not used).
 pub fn observation(
     settings: &LivenessSettings,
-    node: Option<&Node>,
+    node: Option<&NodeSummary>,
     csinode: Option<&CSINode>,
     lease: Option<Option<&Lease>>,
 ) -> NodeObservation {

@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Node, PersistentVolume, Pod};
+use k8s_openapi::api::core::v1::{PersistentVolume, Pod};
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, Preconditions};
 use kube::runtime::WatchStreamExt;
@@ -42,6 +42,7 @@ use crate::claim_summary::ClaimSummary;
 use crate::instrument::Instrument;
 use crate::liveness::DriverlessReason;
 use crate::liveness_view::LivenessView;
+use crate::node_summary::NodeSummary;
 use crate::reconcile_metrics::ReconcileMetrics;
 use crate::stores::{Stores, trim};
 use crate::volume_facts::pv_node;
@@ -112,16 +113,11 @@ pub fn lost_for(
 }
 
 /// What the Node object says about its kubelet (`now`: the wall clock, for the transition).
-pub fn kubelet_of(node: Option<&Node>, now: k8s_openapi::jiff::Timestamp) -> Kubelet {
+pub fn kubelet_of(node: Option<&NodeSummary>, now: k8s_openapi::jiff::Timestamp) -> Kubelet {
     let Some(node) = node else {
         return Kubelet::NodeGone;
     };
-    let ready = node
-        .status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .and_then(|c| c.iter().find(|c| c.type_ == "Ready"));
-    match ready {
+    match &node.ready {
         Some(c) if c.status == "Unknown" => Kubelet::Silent {
             for_: c
                 .last_transition_time
@@ -659,7 +655,7 @@ async fn recover(pv: &PersistentVolume, ctx: &Context) -> Result<Action, NodeLos
         .stores
         .claims
         .get(&ObjectRef::<ClaimSummary>::new(&name).within(&namespace));
-    let cached_node = ctx.stores.nodes.get(&ObjectRef::<Node>::new(&node));
+    let cached_node = ctx.stores.nodes.get(&ObjectRef::<NodeSummary>::new(&node));
     let now = k8s_openapi::jiff::Timestamp::now();
     let driverless = ctx.liveness.driverless_for(&node);
     let lost = ctx.observe(
@@ -1047,22 +1043,15 @@ mod tests {
 
     #[test]
     fn kubelet_of_reads_the_ready_condition() {
-        use k8s_openapi::api::core::v1::{NodeCondition, NodeStatus};
+        use crate::node_summary::ReadyCondition;
         use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
         let now = k8s_openapi::jiff::Timestamp::now();
-        let node = |status: Option<&str>| Node {
-            status: Some(NodeStatus {
-                conditions: status.map(|s| {
-                    vec![NodeCondition {
-                        type_: "Ready".into(),
-                        status: s.into(),
-                        last_transition_time: Some(Time(
-                            now - k8s_openapi::jiff::SignedDuration::from_secs(90),
-                        )),
-                        ..Default::default()
-                    }]
-                }),
-                ..Default::default()
+        let node = |status: Option<&str>| NodeSummary {
+            ready: status.map(|s| ReadyCondition {
+                status: s.into(),
+                last_transition_time: Some(Time(
+                    now - k8s_openapi::jiff::SignedDuration::from_secs(90),
+                )),
             }),
             ..Default::default()
         };

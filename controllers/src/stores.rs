@@ -6,7 +6,6 @@ use std::hash::Hash;
 
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Node, NodeCondition, NodeStatus};
 use k8s_openapi::api::storage::v1::{CSINode, StorageClass};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::reflector::{self, ReflectHandle, Store};
@@ -16,39 +15,20 @@ use serde::de::DeserializeOwned;
 use tokio::task::JoinSet;
 
 use crate::claim_summary::ClaimSummary;
+use crate::node_summary::NodeSummary;
 
 /// Events a subscriber may lag behind before the shared watch waits for it.
 const SUBSCRIBER_BUFFER: usize = 4096;
 
-/// Trims what a cache keeps of each object to what the concerns read: managedFields always;
-/// a Node's spec, annotations and status (images, conditions, addresses: most of its bytes) but
-/// for its Ready condition's status and last transition (the node-loss recovery's view of the
-/// kubelet); a CSINode's driver entries but for their names. Claims are cached as
-/// [`ClaimSummary`], which keeps what is read already while decoding. Memory grows with the cluster, so this matters at scale (`just bench`'s memory
-/// rows show each cache's bytes).
+/// Trims what a cache keeps of each object to what the concerns read: managedFields always; a
+/// CSINode's annotations and driver entries but for their names. Claims and Nodes are cached
+/// as [`ClaimSummary`] and [`NodeSummary`], which keep what is read already while decoding.
+/// Memory grows with the cluster, so this matters at scale (`just bench`'s memory rows show
+/// each cache's bytes).
 pub fn trim<K: Resource + std::any::Any>(object: &mut K) {
     object.meta_mut().managed_fields = None;
     let any: &mut dyn std::any::Any = object;
-    if let Some(node) = any.downcast_mut::<Node>() {
-        // Kubelet, CNI and cloud providers annotate nodes with kilobytes nobody here reads.
-        node.metadata.annotations = None;
-        node.spec = None;
-        let ready = node
-            .status
-            .take()
-            .and_then(|s| s.conditions)
-            .and_then(|c| c.into_iter().find(|c| c.type_ == "Ready"))
-            .map(|c| NodeCondition {
-                type_: c.type_,
-                status: c.status,
-                last_transition_time: c.last_transition_time,
-                ..Default::default()
-            });
-        node.status = ready.map(|c| NodeStatus {
-            conditions: Some(vec![c]),
-            ..Default::default()
-        });
-    } else if let Some(csinode) = any.downcast_mut::<CSINode>() {
+    if let Some(csinode) = any.downcast_mut::<CSINode>() {
         csinode.metadata.annotations = None;
         for driver in &mut csinode.spec.drivers {
             driver.allocatable = None;
@@ -66,7 +46,7 @@ pub struct Stores {
     /// StorageClasses.
     pub classes: Store<StorageClass>,
     /// Nodes.
-    pub nodes: Store<Node>,
+    pub nodes: Store<NodeSummary>,
     /// CSINodes.
     pub csinodes: Store<CSINode>,
     /// Leases in the driver namespace (heartbeats).
@@ -116,7 +96,7 @@ where
 #[derive(Clone)]
 pub struct NodeStores {
     /// Nodes.
-    pub nodes: Store<Node>,
+    pub nodes: Store<NodeSummary>,
     /// CSINodes.
     pub csinodes: Store<CSINode>,
     /// Leases in the driver namespace (heartbeats).
@@ -128,7 +108,7 @@ impl NodeStores {
     pub fn start(client: &kube::Client, namespace: &str, tasks: &mut JoinSet<()>) -> Self {
         Self {
             nodes: cache(
-                Api::<Node>::all(client.clone()),
+                Api::<NodeSummary>::all(client.clone()),
                 watcher::Config::default(),
                 tasks,
             ),
@@ -182,23 +162,11 @@ mod tests {
 
     #[test]
     fn trim_keeps_what_is_read() {
-        let mut node = Node {
-            metadata: kube::api::ObjectMeta {
-                name: Some("n".into()),
-                labels: Some([("storage".to_string(), "pmem".to_string())].into()),
-                annotations: Some([("a".to_string(), "b".to_string())].into()),
-                managed_fields: Some(vec![ManagedFieldsEntry::default()]),
-                ..Default::default()
-            },
-            spec: Some(Default::default()),
-            status: Some(NodeStatus::default()),
-        };
-        trim(&mut node);
-        assert!(node.status.is_none() && node.metadata.managed_fields.is_none());
-        assert!(node.spec.is_none() && node.metadata.annotations.is_none());
         let mut csinode = CSINode {
             metadata: kube::api::ObjectMeta {
                 name: Some("n".into()),
+                annotations: Some([("a".to_string(), "b".to_string())].into()),
+                managed_fields: Some(vec![ManagedFieldsEntry::default()]),
                 ..Default::default()
             },
             spec: k8s_openapi::api::storage::v1::CSINodeSpec {
@@ -211,6 +179,9 @@ mod tests {
             },
         };
         trim(&mut csinode);
+        assert!(
+            csinode.metadata.managed_fields.is_none() && csinode.metadata.annotations.is_none()
+        );
         assert_eq!(
             csinode.spec.drivers[0],
             k8s_openapi::api::storage::v1::CSINodeDriver {
@@ -218,35 +189,6 @@ mod tests {
                 ..Default::default()
             },
             "the judgement reads only which drivers a CSINode lists"
-        );
-        let condition = |type_: &str| NodeCondition {
-            type_: type_.into(),
-            status: "False".into(),
-            message: Some("a long message".into()),
-            reason: Some("KubeletNotReady".into()),
-            ..Default::default()
-        };
-        let mut reporting = Node {
-            status: Some(NodeStatus {
-                conditions: Some(vec![condition("MemoryPressure"), condition("Ready")]),
-                images: Some(vec![Default::default()]),
-                ..Default::default()
-            }),
-            ..Default::default()
-        };
-        trim(&mut reporting);
-        assert_eq!(
-            reporting.status.and_then(|s| s.conditions),
-            Some(vec![NodeCondition {
-                type_: "Ready".into(),
-                status: "False".into(),
-                ..Default::default()
-            }]),
-            "only the Ready condition's status stays"
-        );
-        assert!(
-            node.metadata.labels.is_some(),
-            "labels are what the judgement reads"
         );
         let mut class = StorageClass {
             provisioner: "p".into(),

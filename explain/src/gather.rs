@@ -5,11 +5,12 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use controllers::liveness_view::{LivenessSettings, observation};
+use controllers::node_summary::NodeSummary;
 use controllers::pod_volumes;
 use controllers::volume_facts::{capacity_node, pv_node};
 use controllers::well_known::{DRIVER_LABEL, SELECTED_NODE, heartbeat_lease_name};
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Event, Node, PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::core::v1::{Event, PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::events::v1::Event as NewEvent;
 use k8s_openapi::api::storage::v1::{CSINode, CSIStorageCapacity, StorageClass};
 use kube::api::ListParams;
@@ -117,7 +118,7 @@ async fn observations(
     volumes: &BTreeMap<String, PersistentVolume>,
     capacities: &[CSIStorageCapacity],
 ) -> Result<BTreeMap<String, controllers::liveness::NodeObservation>, ExplainError> {
-    let nodes: BTreeMap<String, Node> = Api::<Node>::all(client.clone())
+    let nodes: BTreeMap<String, NodeSummary> = Api::<NodeSummary>::all(client.clone())
         .list(&ListParams::default())
         .await
         .map_err(read("Nodes".into()))?
