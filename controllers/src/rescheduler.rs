@@ -3,8 +3,9 @@
 //! scheduler picks another node. Never otherwise: a node that may still start the driver could
 //! provision the claim at the same time as the next one, and one of the volumes would leak.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::storage::v1::StorageClass;
@@ -17,6 +18,7 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::claim_summary::ClaimSummary;
@@ -109,6 +111,60 @@ pub fn decide(
             reason,
         },
     }
+}
+
+/// Which waiting claims to reconcile again. A claim whose selected node's driver may run is kept
+/// without a requeue: 10,000 pending claims would otherwise hold 10,000 timers in the
+/// controller's scheduler (about 1 KiB each with their keys: more than the claim cache). The
+/// scan brings a claim back when its node stops looking like it may run, which is sooner than
+/// a requeue after the grace would. A claim judged "may run" by a reconcile between two scans
+/// that both saw its node not running (a flip back and forth) is caught by the backstop: a
+/// claim on a node that does not look like it may run is due again every `every`.
+#[derive(Debug, Default)]
+pub struct Retrigger {
+    /// Nodes that did not look like they may run at the previous scan.
+    not_running: HashSet<String>,
+    /// When each claim (UID) on such a node was last made due.
+    last: HashMap<String, Instant>,
+}
+
+impl Retrigger {
+    /// The UIDs due among `waiting` — (claim UID, selected node, whether the driver may run
+    /// there) for every claim waiting on its selected node — at `now`.
+    pub fn due(
+        &mut self,
+        waiting: impl IntoIterator<Item = (String, String, bool)>,
+        now: Instant,
+        every: Duration,
+    ) -> Vec<String> {
+        let mut not_running = HashSet::new();
+        let mut last = HashMap::new();
+        let mut due = Vec::new();
+        for (uid, node, may_run) in waiting {
+            if may_run {
+                continue;
+            }
+            let newly = !self.not_running.contains(&node);
+            let at = match self.last.get(&uid) {
+                Some(at) if !newly && now.saturating_duration_since(*at) < every => *at,
+                _ => {
+                    due.push(uid.clone());
+                    now
+                }
+            };
+            last.insert(uid, at);
+            not_running.insert(node);
+        }
+        self.not_running = not_running;
+        self.last = last;
+        due
+    }
+}
+
+/// How often the claim cache is scanned with a reschedule grace of `grace`: often enough that a
+/// node which stops looking like it may run is noticed well within the grace.
+pub fn scan_interval(grace: Duration) -> Duration {
+    SCAN_INTERVAL.min(grace).max(Duration::from_secs(1))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -249,11 +305,17 @@ impl Rescheduler {
         shutdown: CancellationToken,
     ) {
         let claims = self.stores.claims.clone();
+        let (again, again_rx) = mpsc::channel(RETRIGGER_BUFFER);
         let scan = scan_waiting(
             self.stores.clone(),
-            self.liveness.settings().driver.clone(),
+            self.liveness.clone(),
             self.metrics.waiting.clone(),
+            again,
             shutdown.clone(),
+        );
+        let trigger = futures::stream::select(
+            trigger,
+            tokio_stream::wrappers::ReceiverStream::new(again_rx),
         );
         let controller = Controller::for_shared_stream(trigger, claims)
             .graceful_shutdown_on(shutdown.cancelled_owned())
@@ -282,8 +344,9 @@ impl Rescheduler {
                     KeepReason::GraceNotElapsed => {
                         Action::requeue(remaining + Duration::from_millis(100))
                     }
-                    // Node and CSINode changes do not trigger claims: look again after a grace.
-                    KeepReason::DriverMayRun => Action::requeue(grace.max(Duration::from_secs(1))),
+                    // Node and CSINode changes do not trigger claims; the scan does once the node
+                    // stops looking like it may run (see `Retrigger`).
+                    KeepReason::DriverMayRun => Action::await_change(),
                     _ => Action::await_change(),
                 });
             }
@@ -353,31 +416,67 @@ impl Rescheduler {
     }
 }
 
-/// Scans the claim cache for claims waiting on their selected node until `shutdown`, then
-/// zeroes the gauge: only the leader reports.
+/// Claims the scan may hand back to the rescheduler at once before it waits for room.
+const RETRIGGER_BUFFER: usize = 4096;
+
+/// Scans the claim cache for claims waiting on their selected node until `shutdown`: reports
+/// the longest wait, and hands back to the rescheduler (`again`) the claims [`Retrigger`] finds
+/// due; then zeroes the gauge: only the leader reports.
 async fn scan_waiting(
     stores: Stores,
-    driver: String,
+    liveness: LivenessView,
     gauge: WaitingClaimsMetrics,
+    again: mpsc::Sender<Arc<ClaimSummary>>,
     shutdown: CancellationToken,
 ) {
+    let driver = liveness.settings().driver.clone();
+    let grace = liveness.settings().grace;
     let mut claims = WaitingClaims::default();
-    let mut tick = tokio::time::interval(SCAN_INTERVAL);
+    let mut retrigger = Retrigger::default();
+    let mut tick = tokio::time::interval(scan_interval(grace));
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => break,
             _ = tick.tick() => {}
         }
-        let waiting = stores
+        let waiting: Vec<(Arc<ClaimSummary>, String, String)> = stores
             .claims
             .state()
             .into_iter()
-            .filter(|c| {
-                let (claim, class) = claim_facts(c, &stores.classes);
-                waits_on_selected_node(&claim, class.as_ref(), &driver)
+            .filter_map(|c| {
+                let (facts, class) = claim_facts(&c, &stores.classes);
+                if !waits_on_selected_node(&facts, class.as_ref(), &driver) {
+                    return None;
+                }
+                Some((c, facts.uid?, facts.selected_node?))
             })
-            .filter_map(|c| c.metadata.uid.clone());
-        gauge.set(claims.observe(waiting, std::time::Instant::now()));
+            .collect();
+        let now = Instant::now();
+        gauge.set(claims.observe(waiting.iter().map(|(_, uid, _)| uid.clone()), now));
+        // One judgement per node, not per claim: a node may have thousands waiting on it.
+        let mut may_run: HashMap<&str, bool> = HashMap::new();
+        for (_, _, node) in &waiting {
+            may_run
+                .entry(node.as_str())
+                .or_insert_with(|| liveness.judge(node) == Liveness::MayRun);
+        }
+        let due: HashSet<String> = retrigger
+            .due(
+                waiting.iter().map(|(_, uid, node)| {
+                    let runs = may_run.get(node.as_str()).copied().unwrap_or(true);
+                    (uid.clone(), node.clone(), runs)
+                }),
+                now,
+                grace,
+            )
+            .into_iter()
+            .collect();
+        for (claim, uid, _) in waiting {
+            if due.contains(&uid) && again.try_send(claim).is_err() {
+                // Full (a burst of nodes lost at once): the backstop brings it back later.
+                break;
+            }
+        }
     }
     gauge.set(Duration::ZERO);
 }
@@ -402,6 +501,81 @@ fn error_policy(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn retrigger_table() {
+        let t0 = Instant::now();
+        let every = Duration::from_secs(60);
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let w = |uid: &str, node: &str, may_run: bool| (uid.to_string(), node.to_string(), may_run);
+        let mut r = Retrigger::default();
+        // (scan, waiting claims, due)
+        let steps: Vec<(&str, u64, Vec<(String, String, bool)>, Vec<&str>)> = vec![
+            ("may run: nothing due", 0, vec![w("a", "n1", true)], vec![]),
+            (
+                "node stops: due at once",
+                10,
+                vec![w("a", "n1", false), w("b", "n2", true)],
+                vec!["a"],
+            ),
+            (
+                "still stopped: not again before `every`",
+                20,
+                vec![w("a", "n1", false)],
+                vec![],
+            ),
+            (
+                "new claim on a stopped node: due",
+                30,
+                vec![w("a", "n1", false), w("c", "n1", false)],
+                vec!["c"],
+            ),
+            (
+                "backstop after `every`",
+                70,
+                vec![w("a", "n1", false), w("c", "n1", false)],
+                vec!["a"],
+            ),
+            (
+                "node runs again",
+                80,
+                vec![w("a", "n1", true), w("c", "n1", true)],
+                vec![],
+            ),
+            (
+                "and stops again: both due at once",
+                85,
+                vec![w("a", "n1", false), w("c", "n1", false)],
+                vec!["a", "c"],
+            ),
+            (
+                "claim gone, node still stopped",
+                90,
+                vec![w("c", "n1", false)],
+                vec![],
+            ),
+            (
+                "gone claim back: due (forgotten)",
+                95,
+                vec![w("a", "n1", false), w("c", "n1", false)],
+                vec!["a"],
+            ),
+        ];
+        for (name, second, waiting, want) in steps {
+            let due = r.due(waiting, at(second), every);
+            assert_eq!(due, want, "{name}");
+        }
+    }
+
+    #[test]
+    fn scan_interval_follows_short_graces() {
+        assert_eq!(scan_interval(Duration::from_secs(600)), SCAN_INTERVAL);
+        assert_eq!(
+            scan_interval(Duration::from_secs(3)),
+            Duration::from_secs(3)
+        );
+        assert_eq!(scan_interval(Duration::ZERO), Duration::from_secs(1));
+    }
     use std::time::Duration;
 
     const DRIVER: &str = "pmem-csi.intel.com";
