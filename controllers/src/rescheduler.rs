@@ -510,7 +510,8 @@ mod tests {
         let w = |uid: &str, node: &str, may_run: bool| (uid.to_string(), node.to_string(), may_run);
         let mut r = Retrigger::default();
         // (scan, waiting claims, due)
-        let steps: Vec<(&str, u64, Vec<(String, String, bool)>, Vec<&str>)> = vec![
+        type Waiting = Vec<(String, String, bool)>;
+        let steps: Vec<(&str, u64, Waiting, Vec<&str>)> = vec![
             ("may run: nothing due", 0, vec![w("a", "n1", true)], vec![]),
             (
                 "node stops: due at once",
