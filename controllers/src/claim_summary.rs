@@ -10,12 +10,9 @@
 //! annotations are fields of their own rather than a map in `metadata.annotations`, which stays
 //! `None`: a B-tree node of 11 slots would cost ~0.5 KiB per claim for at most three entries.
 
-use std::borrow::Cow;
 use std::fmt;
 
-use k8s_openapi::NamespaceResourceScope;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
-use kube::Resource;
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, Visitor};
 use serde::{Deserialize, de};
 
@@ -58,34 +55,12 @@ pub struct ClaimSummarySpec {
     pub volume_name: Option<String>,
 }
 
-impl Resource for ClaimSummary {
-    type DynamicType = ();
-    type Scope = NamespaceResourceScope;
-
-    fn kind(_: &()) -> Cow<'_, str> {
-        "PersistentVolumeClaim".into()
-    }
-
-    fn group(_: &()) -> Cow<'_, str> {
-        "".into()
-    }
-
-    fn version(_: &()) -> Cow<'_, str> {
-        "v1".into()
-    }
-
-    fn plural(_: &()) -> Cow<'_, str> {
-        "persistentvolumeclaims".into()
-    }
-
-    fn meta(&self) -> &ObjectMeta {
-        &self.metadata
-    }
-
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata
-    }
-}
+crate::core_resource::core_v1_resource!(
+    ClaimSummary,
+    "PersistentVolumeClaim",
+    "persistentvolumeclaims",
+    k8s_openapi::NamespaceResourceScope
+);
 
 impl<'de> Deserialize<'de> for ClaimSummary {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
@@ -215,6 +190,7 @@ impl<'de> Visitor<'de> for KeptKey {
 mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::PersistentVolumeClaim;
+    use kube::Resource;
     use serde_json::json;
 
     fn full_claim() -> serde_json::Value {

@@ -9,6 +9,7 @@ pub mod capacity_source;
 pub mod claim_summary;
 pub mod concern;
 pub mod controller_process;
+mod core_resource;
 pub mod duration;
 pub mod error_backoff;
 pub mod flags;

@@ -8,13 +8,10 @@
 //! building it per node and trimming it afterwards. The controller and the extender both watch
 //! every Node of the cluster.
 
-use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::fmt;
 
-use k8s_openapi::ClusterResourceScope;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
-use kube::Resource;
 use serde::Deserialize;
 use serde::de::{Deserializer, SeqAccess, Visitor};
 
@@ -36,34 +33,12 @@ pub struct ReadyCondition {
     pub last_transition_time: Option<Time>,
 }
 
-impl Resource for NodeSummary {
-    type DynamicType = ();
-    type Scope = ClusterResourceScope;
-
-    fn kind(_: &()) -> Cow<'_, str> {
-        "Node".into()
-    }
-
-    fn group(_: &()) -> Cow<'_, str> {
-        "".into()
-    }
-
-    fn version(_: &()) -> Cow<'_, str> {
-        "v1".into()
-    }
-
-    fn plural(_: &()) -> Cow<'_, str> {
-        "nodes".into()
-    }
-
-    fn meta(&self) -> &ObjectMeta {
-        &self.metadata
-    }
-
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata
-    }
-}
+crate::core_resource::core_v1_resource!(
+    NodeSummary,
+    "Node",
+    "nodes",
+    k8s_openapi::ClusterResourceScope
+);
 
 impl<'de> Deserialize<'de> for NodeSummary {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
@@ -161,6 +136,7 @@ impl<'de> Visitor<'de> for ReadyVisitor {
 mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::Node;
+    use kube::Resource;
     use serde_json::json;
 
     fn full_node() -> serde_json::Value {
