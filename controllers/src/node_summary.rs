@@ -94,13 +94,13 @@ struct WireStatus {
 struct WireCondition {
     #[serde(rename = "type")]
     type_: String,
-    #[serde(default)]
     status: String,
     #[serde(default)]
     last_transition_time: Option<Time>,
 }
 
-/// The `Ready` entry of a conditions list (the last one, should a list repeat it).
+/// The `Ready` entry of a conditions list (the first one, should a list repeat it, as the
+/// judgement read it from the full type).
 struct ReadyOnly(Option<ReadyCondition>);
 
 impl<'de> Deserialize<'de> for ReadyOnly {
@@ -121,7 +121,7 @@ impl<'de> Visitor<'de> for ReadyVisitor {
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
         let mut ready = None;
         while let Some(condition) = seq.next_element::<WireCondition>()? {
-            if condition.type_ == "Ready" {
+            if condition.type_ == "Ready" && ready.is_none() {
                 ready = Some(ReadyCondition {
                     status: condition.status,
                     last_transition_time: condition.last_transition_time,
@@ -197,7 +197,7 @@ mod tests {
 
     #[test]
     fn ready_table() {
-        let cases: [(&str, serde_json::Value, Option<&str>); 6] = [
+        let cases: [(&str, serde_json::Value, Option<&str>); 7] = [
             ("no status", json!({}), None),
             ("null status", json!({"status": null}), None),
             ("no conditions", json!({"status": {}}), None),
@@ -215,6 +215,14 @@ mod tests {
                 "Ready without a time",
                 json!({"status": {"conditions": [{"type": "Ready", "status": "True"}]}}),
                 Some("True"),
+            ),
+            (
+                "the first of two Ready",
+                json!({"status": {"conditions": [
+                    {"type": "Ready", "status": "False"},
+                    {"type": "Ready", "status": "True"},
+                ]}}),
+                Some("False"),
             ),
         ];
         for (name, value, expected) in cases {
@@ -237,6 +245,10 @@ mod tests {
             (
                 "condition without a type",
                 json!({"status": {"conditions": [{"status": "True"}]}}),
+            ),
+            (
+                "condition without a status",
+                json!({"status": {"conditions": [{"type": "Ready"}]}}),
             ),
             ("labels a list", json!({"metadata": {"labels": []}})),
         ] {

@@ -416,7 +416,8 @@ impl Rescheduler {
     }
 }
 
-/// Claims the scan may hand back to the rescheduler at once before it waits for room.
+/// Claims the scan may hand back to the rescheduler before it waits for the controller to take
+/// them.
 const RETRIGGER_BUFFER: usize = 4096;
 
 /// Scans the claim cache for claims waiting on their selected node until `shutdown`: reports
@@ -475,9 +476,14 @@ async fn scan_waiting(
             .into_iter()
             .collect();
         for (claim, uid, _) in keyed() {
-            if due.contains(uid) && again.try_send(claim.clone()).is_err() {
-                // Full (a burst of nodes lost at once): the backstop brings it back later.
-                break;
+            if !due.contains(uid) {
+                continue;
+            }
+            // Waits for room rather than drop: `Retrigger` counts every due claim as handed
+            // back. The controller drains the channel meanwhile (both run under one join).
+            tokio::select! {
+                sent = again.send(claim.clone()) => if sent.is_err() { break },
+                _ = shutdown.cancelled() => break,
             }
         }
     }

@@ -65,7 +65,7 @@ impl WaitingClaims {
     }
 }
 
-/// The same key for the same UID in every process and run (SipHash with fixed keys).
+/// The same key for the same UID within this process (the keys never leave its memory).
 fn uid_key(uid: &str) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut hasher = std::hash::DefaultHasher::new();
