@@ -16,7 +16,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use extender::api::{Candidates, ExtenderFilterResult, NodeNames, decode_request};
+use extender::api::{Candidates, ExtenderFilterResult, decode_request};
 
 /// Free bytes per node, as an index would hold them.
 type Table = Arc<HashMap<String, u64>>;
@@ -45,12 +45,12 @@ async fn filter(State(table): State<Table>, body: Bytes) -> Response {
     let Candidates::Names(names) = request.candidates else {
         return (StatusCode::BAD_REQUEST, "the floor takes NodeNames only").into_response();
     };
-    let passed: NodeNames = names
-        .iter()
-        .filter(|name| table.get(*name).is_some_and(|free| *free > 0))
-        .collect();
-    extender::json_response::json(&ExtenderFilterResult {
-        node_names: Some(passed),
-        ..ExtenderFilterResult::default()
-    })
+    let passed = names.retain(|name| table.get(name).is_some_and(|free| *free > 0));
+    extender::json_response::encoded(
+        ExtenderFilterResult {
+            node_names: Some(passed),
+            ..ExtenderFilterResult::default()
+        }
+        .to_json(),
+    )
 }

@@ -527,7 +527,7 @@ async fn filter(State(shared): State<Shared>, body: Bytes) -> Response {
                 details = ?outcome.details,
                 "filter"
             );
-            json(&outcome.result)
+            crate::json_response::encoded(outcome.result.to_json())
         }
     };
     shared
