@@ -480,8 +480,28 @@ async fn filter_on(env: &TestEnv, scale: &Scale) -> anyhow::Result<Vec<Benchmark
         };
         out.push(filter_load(endpoint, &name, "all fitting", scale, target, nodes).await?);
     }
-    out.extend(floor(scale, nodes).await?);
+    out.extend(floor(scale, nodes, &allocator_env(env)?).await?);
     Ok(out)
+}
+
+/// The allocator settings (`MALLOC_*`) of the manifests' extender container, which the floor
+/// runs with too: the floor's point is what decoding, lookup and encoding cost with the
+/// extender's own setup.
+fn allocator_env(env: &TestEnv) -> anyhow::Result<Vec<(String, String)>> {
+    let launch = env
+        .manifests()
+        .launch(testenv::manifests::OurContainer::Extender)
+        .context("the manifests' extender container")?;
+    Ok(launch
+        .env
+        .into_iter()
+        .filter_map(|(key, value)| match value {
+            testenv::manifests::EnvValue::Literal(v) if key.starts_with("MALLOC_") => {
+                Some((key, v))
+            }
+            _ => None,
+        })
+        .collect())
 }
 
 fn floor_name(names: usize) -> String {
@@ -489,13 +509,18 @@ fn floor_name(names: usize) -> String {
 }
 
 /// The same load against the floor of `/filter` (bench/src/filter_floor.rs), a process of this
-/// binary's own knowing `nodes` nodes.
-async fn floor(scale: &Scale, nodes: usize) -> anyhow::Result<Vec<Benchmark>> {
+/// binary's own knowing `nodes` nodes, with the extender's `allocator_env`.
+async fn floor(
+    scale: &Scale,
+    nodes: usize,
+    allocator_env: &[(String, String)],
+) -> anyhow::Result<Vec<Benchmark>> {
     let port = testenv::ports::free_port().context("a port for the floor")?;
     let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
     let _server = tokio::process::Command::new(std::env::current_exe()?)
         .args(["filter-floor", "--address", &addr.to_string(), "--nodes"])
         .arg(nodes.to_string())
+        .envs(allocator_env.iter().map(|(k, v)| (k, v)))
         .kill_on_drop(true)
         .spawn()
         .context("starting the floor server")?;
@@ -522,7 +547,7 @@ async fn floor(scale: &Scale, nodes: usize) -> anyhow::Result<Vec<Benchmark>> {
             filter_load(
                 endpoint,
                 &floor_name(names),
-                "decoded, looked up and encoded only: no fit, no lock, no metrics (the floor)",
+                "decoded, looked up and encoded only: no fit, no lock, no metrics (the floor; the extender container's MALLOC_* settings)",
                 scale,
                 Target::none(),
                 nodes,
