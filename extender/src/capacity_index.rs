@@ -555,6 +555,7 @@ impl CapacityIndex {
     /// [`CapacityIndex::usage`] without allocating: the node's id and published capacity by
     /// reference, the allocated bytes, and the unreflected sizes appended to `unreflected` (the
     /// extender's /filter asks for thousands of nodes per call).
+    #[inline]
     pub fn usage_into(
         &self,
         node: &str,

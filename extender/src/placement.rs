@@ -19,7 +19,7 @@ use crate::capacity_index::{CapacityIndex, NodeId, VolumeKey};
 use crate::fit::{self, NodeView};
 use crate::metrics::ReservationEvent;
 use crate::pod_view::{DemandView, NodeFitView, PodView, ReservationView, ReservedOn};
-use crate::reservation_book::{Entry, EntryKey, ReservationBook};
+use crate::reservation_book::{Entry, EntryKey, OtherReservations, ReservationBook};
 use crate::reservation_journal::{
     JournalRecord, NODE_LIST_LIMIT, ReservedRecord, expiry_from_wall, expiry_to_wall,
 };
@@ -376,17 +376,17 @@ impl ExtenderState {
     /// capacity.
     fn view(&self, node: &str, demand: &Demand, pod_uid: &str) -> Option<NodeView> {
         let mut view = NodeView::default();
-        self.view_into(node, demand, pod_uid, &mut view)
+        self.view_into(node, demand, &self.book.others(pod_uid), &mut view)
             .map(|_| view)
     }
 
-    /// Fills `view` (reusing its vectors) with `node` as the pod sees it and returns the node's
-    /// id; `None` when the node published no capacity.
+    /// Fills `view` (reusing its vectors) with `node` as the pod sees it, next to the `others`'
+    /// reservations, and returns the node's id; `None` when the node published no capacity.
     fn view_into(
         &self,
         node: &str,
         demand: &Demand,
-        pod_uid: &str,
+        others: &OtherReservations<'_, NodeId>,
         view: &mut NodeView,
     ) -> Option<NodeId> {
         view.unreflected.clear();
@@ -398,8 +398,7 @@ impl ExtenderState {
         // differ; each counts here as the node will allocate it. Unaligned, 19 reservations of
         // 50 MiB on a node of 4 MiB extents hid 38 MiB: room for a 20th volume that was not there.
         let from = view.unreflected.len();
-        self.book
-            .reserved_into(&published.id, pod_uid, &mut view.unreflected);
+        others.reserved_into(&published.id, &mut view.unreflected);
         let mut reserved = 0u64;
         for size in view.unreflected.iter_mut().skip(from) {
             *size = volume_cost(*size, published.alignment, published.overhead.as_ref())
@@ -418,20 +417,21 @@ impl ExtenderState {
 
     /// Free bytes after placing the pod on `node`, or why it does not fit.
     fn fit_on(&self, node: &str, demand: &Demand, pod_uid: &str) -> Result<u64, String> {
-        self.fit_on_with(node, demand, pod_uid, &mut NodeView::default())
+        let others = self.book.others(pod_uid);
+        self.fit_on_with(node, demand, &others, &mut NodeView::default())
             .map(|(_, free)| free)
     }
 
-    /// [`ExtenderState::fit_on`] with a scratch view reused across nodes, also returning the
-    /// node's id.
+    /// [`ExtenderState::fit_on`] next to the `others`' reservations, with a scratch view reused
+    /// across nodes, also returning the node's id.
     fn fit_on_with(
         &self,
         node: &str,
         demand: &Demand,
-        pod_uid: &str,
+        others: &OtherReservations<'_, NodeId>,
         scratch: &mut NodeView,
     ) -> Result<(NodeId, u64), String> {
-        let Some(id) = self.view_into(node, demand, pod_uid, scratch) else {
+        let Some(id) = self.view_into(node, demand, others, scratch) else {
             return Err(fit::reason(&fit::Insufficient {
                 volumes: demand.sizes.len(),
                 bytes: demand
@@ -506,13 +506,14 @@ impl ExtenderState {
         // kube-scheduler may send thousands of names.
         let names = request.candidates.names();
         let mut scratch = NodeView::default();
+        let others = self.book.others(&uid);
         let verdicts: Vec<Result<(NodeId, u64), Rejection>> = names
             .iter()
             .map(|node| {
                 if driverless(node) {
                     Err(Rejection::Resolvable(fit::NOT_RUNNING.to_string()))
                 } else {
-                    self.fit_on_with(node, &demand, &uid, &mut scratch)
+                    self.fit_on_with(node, &demand, &others, &mut scratch)
                         .map_err(Rejection::Unresolvable)
                 }
             })
