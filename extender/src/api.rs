@@ -320,6 +320,12 @@ impl NodeNames {
         self.ends.is_empty()
     }
 
+    /// The list of the names in `text` ending at `ends` (increasing, within `text`, on
+    /// character boundaries: names are `text[previous end..end]`).
+    pub(crate) fn from_parts(text: String, ends: Vec<usize>) -> NodeNames {
+        NodeNames { text, ends }
+    }
+
     /// Appends a name.
     pub fn push(&mut self, name: &str) {
         self.text.push_str(name);
@@ -487,7 +493,16 @@ pub fn decode_args(body: &[u8]) -> Result<ExtenderArgs, ExtenderApiError> {
 
 /// Decodes and validates a `/filter` or `/prioritize` body into its checked form.
 pub fn decode_request(body: &[u8]) -> Result<ExtenderRequest, ExtenderApiError> {
-    decode_object::<ExtenderArgs>(body, "ExtenderArgs")?.into_request()
+    match crate::plain_args::decode_plain(body) {
+        Some(args) => args.into_request(),
+        None => decode_args_general(body)?.into_request(),
+    }
+}
+
+/// Decodes a `/filter` or `/prioritize` body through serde, without validating it: every shape
+/// and every error's wording ([`crate::plain_args`] takes the common shape faster).
+pub(crate) fn decode_args_general(body: &[u8]) -> Result<ExtenderArgs, ExtenderApiError> {
+    decode_object(body, "ExtenderArgs")
 }
 
 /// Decodes and validates a `/preempt` body.

@@ -13,6 +13,7 @@ pub mod json_response;
 pub mod metrics;
 pub mod node_table;
 pub mod placement;
+pub mod plain_args;
 pub mod pod_view;
 pub mod reservation_book;
 pub mod reservation_journal;
