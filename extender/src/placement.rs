@@ -567,9 +567,7 @@ impl ExtenderState {
                 Ok(_) if chosen => None,
                 Ok(_) => Some(Rejection::Resolvable(PINNED_ELSEWHERE.to_string())),
                 Err(rejection) => Some(rejection),
-            })
-            .collect::<Vec<_>>()
-            .into_iter();
+            });
         // into_filter_result judges each candidate once, in order: the decisions line up.
         let result = request
             .candidates
