@@ -19,6 +19,9 @@ use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
+
+/// How long before a request's due time the open loop's dispatcher stops sleeping and spins.
+const SPIN_BEFORE_DUE: Duration = Duration::from_micros(200);
 use tokio::sync::{Mutex, mpsc};
 use tokio_rustls::TlsConnector;
 use tokio_rustls::rustls::ClientConfig;
@@ -176,9 +179,18 @@ impl Pool {
         let dispatcher = tokio::task::spawn_blocking(move || {
             for i in 0..total {
                 let due = t0 + Duration::from_secs_f64(i as f64 / rate);
+                // The OS's sleep wakes up to a timer slack (50 µs) and a VM's wake-up latency
+                // late, which would count against the server: sleep until shortly before, then
+                // spin to the due time.
                 let now = Instant::now();
-                if due > now {
-                    std::thread::sleep(due - now);
+                if let Some(ahead) = due
+                    .checked_sub(SPIN_BEFORE_DUE)
+                    .and_then(|wake| wake.checked_duration_since(now))
+                {
+                    std::thread::sleep(ahead);
+                }
+                while Instant::now() < due {
+                    std::hint::spin_loop();
                 }
                 if due_tx.send(due).is_err() {
                     break;
