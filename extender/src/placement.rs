@@ -216,10 +216,10 @@ impl ExtenderState {
     /// The journal record of the pod's reservation as the book holds it now (its end when it
     /// holds none); `(now, wall)` read at the same moment.
     pub fn journal_record(&self, pod_uid: &str, now: Instant, wall: SystemTime) -> JournalRecord {
-        match self.book.iter().find(|(uid, ..)| *uid == pod_uid) {
-            Some((uid, nodes, entries, expires)) => self.reserved_record(
-                uid,
-                nodes.copied().collect::<Vec<_>>(),
+        match self.book.reservation(pod_uid) {
+            Some((nodes, entries, expires)) => self.reserved_record(
+                pod_uid,
+                nodes,
                 entries.collect(),
                 expiry_to_wall(expires, now, wall),
             ),
@@ -236,7 +236,7 @@ impl ExtenderState {
             .map(|(uid, nodes, entries, expires)| {
                 self.reserved_record(
                     uid,
-                    nodes.copied().collect::<Vec<_>>(),
+                    nodes,
                     entries.collect(),
                     expiry_to_wall(expires, now, wall),
                 )
@@ -244,10 +244,12 @@ impl ExtenderState {
             .collect()
     }
 
-    fn reserved_record(
+    /// The record of a reservation on `nodes`; their names are looked up only when there are
+    /// few enough to be written (a reserve-all reservation is journaled on every /filter).
+    fn reserved_record<'a>(
         &self,
         uid: &str,
-        nodes: Vec<NodeId>,
+        nodes: impl ExactSizeIterator<Item = &'a NodeId>,
         entries: Vec<Entry>,
         expires_unix_ms: Option<u64>,
     ) -> JournalRecord {
@@ -256,8 +258,7 @@ impl ExtenderState {
             Vec::new()
         } else {
             nodes
-                .into_iter()
-                .filter_map(|id| self.index.node_name(id).map(str::to_owned))
+                .filter_map(|id| self.index.node_name(*id).map(str::to_owned))
                 .collect()
         };
         nodes.sort_unstable();
@@ -560,14 +561,15 @@ impl ExtenderState {
             // A pod that fits nowhere (or is not reserved) holds nothing.
             self.book.pod_deleted(&uid);
         }
-        let mut decisions = verdicts
-            .into_iter()
-            .zip(chosen)
-            .map(|(verdict, chosen)| match verdict {
-                Ok(_) if chosen => None,
-                Ok(_) => Some(Rejection::Resolvable(PINNED_ELSEWHERE.to_string())),
-                Err(rejection) => Some(rejection),
-            });
+        let mut decisions =
+            verdicts
+                .into_iter()
+                .zip(chosen)
+                .map(|(verdict, chosen)| match verdict {
+                    Ok(_) if chosen => None,
+                    Ok(_) => Some(Rejection::Resolvable(PINNED_ELSEWHERE.to_string())),
+                    Err(rejection) => Some(rejection),
+                });
         // into_filter_result judges each candidate once, in order: the decisions line up.
         let result = request
             .candidates

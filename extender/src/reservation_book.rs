@@ -68,6 +68,13 @@ struct Reservation<N> {
 }
 
 impl<N> Reservation<N> {
+    fn entries(&self) -> impl Iterator<Item = Entry> {
+        self.entries.iter().map(|(key, size)| Entry {
+            key: key.clone(),
+            size: *size,
+        })
+    }
+
     fn bytes(&self) -> u64 {
         self.entries
             .values()
@@ -313,22 +320,28 @@ impl<N: Hash + Eq + Clone> ReservationBook<N> {
     ) -> impl Iterator<
         Item = (
             &str,
-            impl Iterator<Item = &N>,
+            impl ExactSizeIterator<Item = &N>,
             impl Iterator<Item = Entry>,
             Option<Instant>,
         ),
     > {
-        self.by_pod.iter().map(|(uid, r)| {
-            (
-                uid.as_str(),
-                r.nodes.iter(),
-                r.entries.iter().map(|(key, size)| Entry {
-                    key: key.clone(),
-                    size: *size,
-                }),
-                r.expires,
-            )
-        })
+        self.by_pod
+            .iter()
+            .map(|(uid, r)| (uid.as_str(), r.nodes.iter(), r.entries(), r.expires))
+    }
+
+    /// The pod's open reservation, as [`ReservationBook::iter`] shows it, without copying it.
+    pub fn reservation(
+        &self,
+        pod_uid: &str,
+    ) -> Option<(
+        impl ExactSizeIterator<Item = &N>,
+        impl Iterator<Item = Entry>,
+        Option<Instant>,
+    )> {
+        self.by_pod
+            .get(pod_uid)
+            .map(|r| (r.nodes.iter(), r.entries(), r.expires))
     }
 
     /// The nodes some open reservation is held on (with repetitions).
