@@ -19,13 +19,15 @@ use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
-
-/// How long before a request's due time the open loop's dispatcher stops sleeping and spins.
-const SPIN_BEFORE_DUE: Duration = Duration::from_micros(200);
 use tokio::sync::{Mutex, mpsc};
 use tokio_rustls::TlsConnector;
 use tokio_rustls::rustls::ClientConfig;
 use tokio_rustls::rustls::pki_types::ServerName;
+
+/// How long before a request's due time the open loop's dispatcher stops sleeping and spins, at
+/// most: never more than a tenth of the interval between requests, so that the spin takes at
+/// most a tenth of a CPU from the server under test.
+const SPIN_BEFORE_DUE: Duration = Duration::from_micros(200);
 
 /// How connections reach the server.
 #[derive(Clone)]
@@ -176,6 +178,7 @@ impl Pool {
         let t0 = Instant::now() + Duration::from_millis(20);
         // The schedule runs on its own thread with the OS's sleep: tokio's timer has a 1 ms
         // granularity, which alone would add up to a millisecond to every latency.
+        let spin = SPIN_BEFORE_DUE.min(Duration::from_secs_f64(0.1 / rate));
         let dispatcher = tokio::task::spawn_blocking(move || {
             for i in 0..total {
                 let due = t0 + Duration::from_secs_f64(i as f64 / rate);
@@ -184,7 +187,7 @@ impl Pool {
                 // spin to the due time.
                 let now = Instant::now();
                 if let Some(ahead) = due
-                    .checked_sub(SPIN_BEFORE_DUE)
+                    .checked_sub(spin)
                     .and_then(|wake| wake.checked_duration_since(now))
                 {
                     std::thread::sleep(ahead);

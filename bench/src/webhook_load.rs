@@ -314,7 +314,7 @@ async fn mutate_on(env: &TestEnv, scale: &Scale) -> anyhow::Result<Vec<Benchmark
         Benchmark {
             name: format!("webhook-mutate-{rate}rps"),
             description: format!(
-                "ms from a /pod/mutate request's scheduled send (open loop, {rate} req/s released on time by a spin over the last 200 µs, {} keep-alive TLS connections, the {} s window of {} with the least CPU stolen by the hypervisor; control plane at SCHED_IDLE) to the end of the answer; `secondary`: from its actual send",
+                "ms from a /pod/mutate request's scheduled send (open loop, {rate} req/s released on time by a spin over the last 200 µs at most, {} keep-alive TLS connections, the {} s window of {} with the least CPU stolen by the hypervisor; control plane at SCHED_IDLE) to the end of the answer; `secondary`: from its actual send",
                 scale.connections,
                 scale.mutate_duration.as_secs_f64(),
                 scale.windows
@@ -575,7 +575,7 @@ async fn filter_load(
     Ok(Benchmark {
         name: name.to_string(),
         description: format!(
-            "ms from a /filter request's scheduled send (open loop, {rate} req/s released on time by a spin over the last 200 µs, {} keep-alive connections, the {} s window of {} with the least CPU stolen by the hypervisor; control plane at SCHED_IDLE; {names} node names, {what}) to the end of the answer; `secondary`: from its actual send",
+            "ms from a /filter request's scheduled send (open loop, {rate} req/s released on time by a spin over the last 200 µs at most, {} keep-alive connections, the {} s window of {} with the least CPU stolen by the hypervisor; control plane at SCHED_IDLE; {names} node names, {what}) to the end of the answer; `secondary`: from its actual send",
             scale.connections,
             scale.filter_duration.as_secs_f64(),
             scale.windows

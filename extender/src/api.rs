@@ -320,7 +320,7 @@ impl NodeNames {
         self.ends.is_empty()
     }
 
-    /// The list of the names in `text` ending at `ends` (increasing, within `text`, on
+    /// The list of the names in `text` ending at `ends` (non-decreasing, within `text`, on
     /// character boundaries: names are `text[previous end..end]`).
     pub(crate) fn from_parts(text: String, ends: Vec<usize>) -> NodeNames {
         NodeNames { text, ends }

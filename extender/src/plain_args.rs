@@ -136,7 +136,12 @@ impl<'a> Cursor<'a> {
                 }
             }
         }
+        // serde_json checks each string on its own: a character split across two names is
+        // valid in the joined text but not in either name.
         let text = String::from_utf8(text).ok()?;
+        if !ends.iter().all(|end| text.is_char_boundary(*end)) {
+            return None;
+        }
         Some(NodeNames::from_parts(text, ends))
     }
 }
@@ -200,6 +205,10 @@ mod tests {
             ("trailing data", br#"{"NodeNames":[]} x"#.to_vec()),
             ("truncated", br#"{"NodeNames":["a""#.to_vec()),
             ("not UTF-8", b"{\"NodeNames\":[\"\xff\"]}".to_vec()),
+            (
+                "a character split across two names",
+                b"{\"NodeNames\":[\"\xc3\",\"\xa9\"]}".to_vec(),
+            ),
             ("array body", b"[]".to_vec()),
             ("bad pod", br#"{"Pod":[1]}"#.to_vec()),
             ("empty", b"".to_vec()),
