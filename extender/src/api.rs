@@ -134,6 +134,18 @@ pub struct ExtenderArgs {
     pub node_names: Option<NodeNames>,
 }
 
+impl From<crate::plain_args::PlainArgs> for ExtenderArgs {
+    fn from(args: crate::plain_args::PlainArgs) -> Self {
+        ExtenderArgs {
+            pod: args.pod,
+            nodes: args.nodes,
+            node_names: args
+                .node_names
+                .map(|names| NodeNames::from_parts(names.text, names.ends)),
+        }
+    }
+}
+
 /// The answer of `/filter` (Go `ExtenderFilterResult`).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ExtenderFilterResult {
@@ -494,7 +506,7 @@ pub fn decode_args(body: &[u8]) -> Result<ExtenderArgs, ExtenderApiError> {
 /// Decodes and validates a `/filter` or `/prioritize` body into its checked form.
 pub fn decode_request(body: &[u8]) -> Result<ExtenderRequest, ExtenderApiError> {
     match crate::plain_args::decode_plain(body) {
-        Some(args) => args.into_request(),
+        Some(args) => ExtenderArgs::from(args).into_request(),
         None => decode_args_general(body)?.into_request(),
     }
 }

@@ -3,7 +3,7 @@
 //!
 //! A `/filter` of a 5,000-node cluster carries ~90 KB of `NodeNames`; decoding them one serde
 //! string at a time was a fifth of the extender's time per call. Here the top-level object is
-//! walked by hand, the names are copied straight into a [`NodeNames`] buffer, and `Pod` and
+//! walked by hand, the names are copied straight into one buffer, and `Pod` and
 //! `Nodes` still go through their serde types. Anything off the common shape — an escape or a
 //! control character in a name or key, an unknown or repeated key, `null` names, a syntax
 //! error — answers `None`, and the caller decodes the body the general way, which also words
@@ -13,13 +13,32 @@ use k8s_openapi::List;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use serde::Deserialize;
 
-use crate::api::{ExtenderArgs, NodeNames};
+/// The fields of `ExtenderArgs` (`crate::api::ExtenderArgs` is built from them).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PlainArgs {
+    /// `Pod`.
+    pub pod: Option<Pod>,
+    /// `Nodes`.
+    pub nodes: Option<List<Node>>,
+    /// `NodeNames`.
+    pub node_names: Option<PlainNames>,
+}
 
-/// The body decoded as [`crate::api::decode_args_general`] would decode it, if it has the common
-/// shape; `None` otherwise (then nothing is known about it).
-pub fn decode_plain(body: &[u8]) -> Option<ExtenderArgs> {
+/// Node names back to back: name `i` is `text[ends[i - 1]..ends[i]]` (from 0 for the first);
+/// every end is a character boundary of `text`, and they do not decrease.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PlainNames {
+    /// The names, concatenated.
+    pub text: String,
+    /// Where each name ends in `text`.
+    pub ends: Vec<usize>,
+}
+
+/// The body's fields as the general decoder (`crate::api::decode_args_general`) would decode
+/// them, if it has the common shape; `None` otherwise (then nothing is known about it).
+pub fn decode_plain(body: &[u8]) -> Option<PlainArgs> {
     let mut at = Cursor { body, pos: 0 };
-    let mut args = ExtenderArgs::default();
+    let mut args = PlainArgs::default();
     let (mut pod, mut nodes, mut names) = (false, false, false);
     at.skip_ws();
     at.eat(b'{')?;
@@ -116,7 +135,7 @@ impl<'a> Cursor<'a> {
     }
 
     /// A list of plain strings, copied back to back.
-    fn names(&mut self) -> Option<NodeNames> {
+    fn names(&mut self) -> Option<PlainNames> {
         self.eat(b'[')?;
         self.skip_ws();
         // The names take at most what is left of the body: one allocation, no regrowth.
@@ -142,14 +161,19 @@ impl<'a> Cursor<'a> {
         if !ends.iter().all(|end| text.is_char_boundary(*end)) {
             return None;
         }
-        Some(NodeNames::from_parts(text, ends))
+        Some(PlainNames { text, ends })
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::decode_args_general as decode_args;
+    use crate::api::{ExtenderArgs, decode_args_general as decode_args};
+
+    /// What `decode_request` takes from this path.
+    fn fast(body: &[u8]) -> Option<ExtenderArgs> {
+        decode_plain(body).map(ExtenderArgs::from)
+    }
     use proptest::prelude::*;
     use serde_json::json;
 
@@ -181,7 +205,7 @@ mod tests {
                     .expect("test value"),
             ),
         ] {
-            let fast = decode_plain(&body);
+            let fast = fast(&body);
             assert!(fast.is_some(), "{name}: took the general path");
             assert_eq!(fast, decode_args(&body).ok(), "{name}");
         }
@@ -213,7 +237,7 @@ mod tests {
             ("bad pod", br#"{"Pod":[1]}"#.to_vec()),
             ("empty", b"".to_vec()),
         ] {
-            assert_eq!(decode_plain(&body), None, "{name}");
+            assert_eq!(fast(&body), None, "{name}");
         }
     }
 
@@ -273,7 +297,7 @@ mod tests {
                 parts.push(("\"Nodes\"".to_owned(), "null".to_owned()));
             }
             let body = body_of(&parts, ws);
-            let fast = decode_plain(&body);
+            let fast = fast(&body);
             prop_assert!(fast.is_some());
             prop_assert_eq!(fast, decode_args(&body).ok());
         }
@@ -284,7 +308,7 @@ mod tests {
             ws in prop_oneof![Just(""), Just(" "), Just("\n\t")],
         ) {
             let body = body_of(&parts, ws);
-            if let Some(fast) = decode_plain(&body) {
+            if let Some(fast) = fast(&body) {
                 prop_assert_eq!(Some(fast), decode_args(&body).ok());
             }
         }
