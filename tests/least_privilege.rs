@@ -9,36 +9,54 @@ use std::path::Path;
 use testenv::audit::{self, Grant, Request};
 use testenv::manifests::{NAMESPACE, Rendered};
 
-/// Granted pairs no test reaches, each with the code path that needs it and why tests cannot
-/// get there. At most five per ServiceAccount.
-const EXCEPTIONS: &[(&str, &str, &str)] = &[
-    (
-        "pmem-csi-intel-com-controller",
-        "patch events.k8s.io/events",
-        "kube-runtime's Recorder::publish patches the series of an Event that repeats within \
-         its cache window; every test emits each Rescheduled/SchedulerExtenderBypassed Event once",
-    ),
-    (
-        "pmem-csi-intel-com-controller",
-        "patch core/events",
-        "client-go's event recorder (csi-resizer) patches the count of a repeated \
-         Resizing/FileSystemResizeRequired Event; tests see each once",
-    ),
-    (
-        "pmem-csi-intel-com-node",
-        "patch core/events",
-        "client-go's event recorder (external-provisioner) patches the count of a repeated \
-         ProvisioningFailed/ProvisioningSucceeded Event; tests see each once",
-    ),
-    (
-        "pmem-csi-intel-com-node",
-        "list core/persistentvolumeclaims",
-        "external-provisioner's claim informer streams its initial list over a watch \
-         (sendInitialEvents, client-go's WatchListClient) on 1.37; it falls back to LIST on API \
-         servers without streaming lists (our 1.33+ support range); the driver's own PVC access \
-         is GET",
-    ),
+/// Granted pairs no test reaches for sure, each with the code path that needs it and why tests
+/// cannot (or not always) get there. At most five per ServiceAccount.
+const EXCEPTIONS: &[Exception] = &[
+    Exception {
+        account: "pmem-csi-intel-com-controller",
+        pair: "patch events.k8s.io/events",
+        why: "kube-runtime's Recorder::publish patches the series of an Event that repeats within \
+              its cache window; every test emits each Rescheduled/SchedulerExtenderBypassed Event \
+              once",
+        sometimes: false,
+    },
+    Exception {
+        account: "pmem-csi-intel-com-controller",
+        pair: "patch core/events",
+        why: "client-go's event recorder (csi-resizer) patches the count of a repeated \
+              Resizing/FileSystemResizeRequired Event; tests see each once",
+        sometimes: false,
+    },
+    Exception {
+        account: "pmem-csi-intel-com-node",
+        pair: "patch core/events",
+        why: "client-go's event recorder (external-provisioner) patches the count of a repeated \
+              Provisioning/ProvisioningSucceeded Event: only when a claim is handled twice in a \
+              row, which depends on timing (seen in tests/explain.rs once in many runs: both \
+              Events of claim `runs` patched 10 ms after they were created)",
+        sometimes: true,
+    },
+    Exception {
+        account: "pmem-csi-intel-com-node",
+        pair: "list core/persistentvolumeclaims",
+        why: "external-provisioner's claim informer streams its initial list over a watch \
+              (sendInitialEvents, client-go's WatchListClient) on 1.37; it falls back to LIST on \
+              API servers without streaming lists (our 1.33+ support range); the driver's own PVC \
+              access is GET",
+        sometimes: false,
+    },
 ];
+
+/// A granted pair that the integration run need not use.
+struct Exception {
+    account: &'static str,
+    pair: &'static str,
+    /// The code path that needs it and why tests do not reach it.
+    why: &'static str,
+    /// Tests reach it in some runs only (timing): its use is no reason to drop it. Otherwise a
+    /// use means the exception is stale.
+    sometimes: bool,
+}
 
 const ACCOUNTS: &[&str] = &[
     "pmem-csi-intel-com-node",
@@ -99,9 +117,10 @@ fn every_granted_rule_is_used_and_nothing_is_denied() {
         }
         let excepted: BTreeSet<&str> = EXCEPTIONS
             .iter()
-            .filter(|(a, _, _)| a == account)
-            .map(|(_, pair, _)| *pair)
+            .filter(|e| e.account == *account)
+            .map(|e| e.pair)
             .collect();
+
         assert!(
             excepted.len() <= 5,
             "{account}: {} exceptions, at most 5",
@@ -122,10 +141,18 @@ fn every_granted_rule_is_used_and_nothing_is_denied() {
                 ));
             }
         }
-        for pair in &excepted {
-            if !unused.iter().any(|g| g.pair() == *pair) {
+        for exception in EXCEPTIONS.iter().filter(|e| e.account == *account) {
+            if exception.sometimes {
+                if !grants.iter().any(|g| g.pair() == exception.pair) {
+                    failures.push(format!(
+                        "{account}: exception {} is not granted: drop it",
+                        exception.pair
+                    ));
+                }
+            } else if !unused.iter().any(|g| g.pair() == exception.pair) {
                 failures.push(format!(
-                    "{account}: exception {pair} is used after all (or not granted): drop it"
+                    "{account}: exception {} is used after all (or not granted): drop it (it said: {})",
+                    exception.pair, exception.why
                 ));
             }
         }
