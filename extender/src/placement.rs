@@ -715,11 +715,16 @@ impl ExtenderState {
     /// `/prioritize`: 0–10 per candidate by free PMEM after placing the pod.
     pub fn prioritize(&self, request: &ExtenderRequest, policy: ScorePolicy) -> HostPriorityList {
         let demand = self.demand(&request.pod);
+        let others = self.book.others(&request.pod_uid);
+        let mut scratch = NodeView::default();
         let frees: Vec<(&str, Option<u64>)> = request
             .candidates
             .names()
             .into_iter()
-            .map(|n| (n, self.fit_on(n, &demand, &request.pod_uid).ok()))
+            .map(|n| {
+                let free = self.fit_on_with(n, &demand, &others, &mut scratch);
+                (n, free.ok().map(|(_, free)| free))
+            })
             .collect();
         score::scores(policy, frees)
     }
