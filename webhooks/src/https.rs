@@ -516,12 +516,13 @@ async fn serve_connection<I>(
     let service = hyper::service::service_fn(move |mut request: Request<Incoming>| {
         let mut router = router.clone();
         request.extensions_mut().insert(ConnectInfo(peer));
-        // Taken before the body is read, so that shedding costs no memory.
-        let content_length = request
-            .headers()
-            .get(http::header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-        let slot = requests.admit(body_units(content_length, max_body_bytes));
+        // Taken before the body is read, so that shedding costs no memory. hyper's size hint is
+        // exact for a stated Content-Length and 0 for a request with no body at all (no
+        // Content-Length, no Transfer-Encoding: RFC 9112 §6.3); reading the header alone
+        // charged such a request (a probe's GET) as the largest body, so that four of them at
+        // once were shed.
+        let declared = hyper::body::Body::size_hint(request.body()).exact();
+        let slot = requests.admit(body_units(declared, max_body_bytes));
         async move {
             let Some(_slot) = slot else {
                 tracing::debug!(%peer, "too many requests in flight; answered 503");
