@@ -25,6 +25,7 @@ use k8s_openapi::api::storage::v1::{CSIStorageCapacity, StorageClass};
 
 use smallvec::SmallVec;
 
+use crate::node_set::NodeSet;
 use crate::node_table::NodeTable;
 
 /// One volume, however it is known.
@@ -157,11 +158,28 @@ impl CapacityRecord {
 }
 
 /// Identifies a node by number, so that the extender's hot paths (reservations naming thousands
-/// of nodes) need not hash names. One per node name for the index's lifetime: a node whose
-/// capacity objects are deleted and published again (a class recreated, a provisioner
-/// restarting) keeps it, and so keeps the reservations held on it.
+/// of nodes) need not hash names: the node's slot in the index's node table, so ids are dense
+/// (0 up to about the number of nodes, which keeps a [`crate::node_set::NodeSet`] small).
+///
+/// Stable while the index keeps the node: a node whose capacity objects are deleted and
+/// published again (a class recreated, a provisioner restarting) keeps it, and so keeps the
+/// reservations held on it. Another node gets the number only after
+/// [`CapacityIndex::forget_idle_nodes`] forgot this one, which it never does while a
+/// reservation holds it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct NodeId(u64);
+pub struct NodeId(u32);
+
+impl NodeId {
+    /// The id's position among dense ids (for bitsets).
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+
+    /// The id at `index`, the inverse of [`NodeId::index`]; `None` past `u32`.
+    pub fn from_index(index: usize) -> Option<Self> {
+        u32::try_from(index).ok().map(NodeId)
+    }
+}
 
 /// The index. See the module documentation.
 #[derive(Debug)]
@@ -169,7 +187,6 @@ pub struct CapacityIndex {
     driver: String,
     default_size: u64,
     seq: u64,
-    next_node_id: u64,
     classes: HashMap<String, ClassFacts>,
     claims: HashMap<ClaimKey, ClaimFacts>,
     /// Volume → the name of the PV of this driver (in `pvs`) filed under it.
@@ -184,9 +201,24 @@ pub struct CapacityIndex {
     // Looked up once per candidate node on every /filter: one lookup for both halves, in a
     // table laid out for it.
     nodes: NodeTable<NodeEntry>,
-    /// Node id → name, for what must outlive the process (the reservation journal names nodes).
-    node_names: HashMap<NodeId, String>,
     allocations: HashMap<VolumeKey, Allocation>,
+}
+
+/// One node of the index ([`CapacityIndex::node`]).
+#[derive(Clone, Copy, Debug)]
+pub struct NodeRef<'a>(&'a NodeEntry);
+
+impl<'a> NodeRef<'a> {
+    /// The node's published capacity when nothing is allocated on it, the usual node: the fit
+    /// then needs nothing else from the index (no allocation to count, none unreflected).
+    /// `None` when it published none or holds allocations.
+    #[inline]
+    pub fn idle_published(self) -> Option<Published<'a>> {
+        if !self.0.volumes.is_empty() {
+            return None;
+        }
+        self.0.capacity.as_ref().map(|r| r.view(self.0.id))
+    }
 }
 
 /// What the index keeps per node.
@@ -206,7 +238,6 @@ impl CapacityIndex {
             driver: driver.into(),
             default_size,
             seq: 0,
-            next_node_id: 0,
             classes: HashMap::new(),
             claims: HashMap::new(),
             volumes: HashMap::new(),
@@ -215,7 +246,6 @@ impl CapacityIndex {
             pvs_by_claim: HashMap::new(),
             pods: HashMap::new(),
             nodes: NodeTable::new(),
-            node_names: HashMap::new(),
             allocations: HashMap::new(),
         }
     }
@@ -562,7 +592,25 @@ impl CapacityIndex {
         own_claims: &[ClaimKey],
         unreflected: &mut Vec<u64>,
     ) -> (Option<Published<'_>>, u64) {
-        let entry = self.nodes.get(node);
+        self.usage_of(self.node(node), own_claims, unreflected)
+    }
+
+    /// The index's entry of `node`, looked up once for several questions (/filter asks about
+    /// thousands of nodes per call); `None` for a node the index has not seen.
+    #[inline]
+    pub fn node(&self, node: &str) -> Option<NodeRef<'_>> {
+        self.nodes.get(node).map(NodeRef)
+    }
+
+    /// [`CapacityIndex::usage_into`] of a node already looked up.
+    #[inline]
+    pub fn usage_of<'a>(
+        &'a self,
+        node: Option<NodeRef<'a>>,
+        own_claims: &[ClaimKey],
+        unreflected: &mut Vec<u64>,
+    ) -> (Option<Published<'a>>, u64) {
+        let entry = node.map(|n| n.0);
         let record = entry.and_then(|e| e.capacity.as_ref());
         let alignment = record.map(|r| r.published.alignment).unwrap_or(1);
         let overhead = record.and_then(|r| r.published.overhead);
@@ -632,24 +680,22 @@ impl CapacityIndex {
 
     /// The name of the node with `id`, while the index keeps it.
     pub fn node_name(&self, id: NodeId) -> Option<&str> {
-        self.node_names.get(&id).map(String::as_str)
+        self.nodes.name_at(id.0)
     }
 
     /// Forgets the nodes that hold nothing any more: no published capacity, no allocation, and
     /// no id in `held` (the nodes reservations are held on, whose ids must stay stable). Without
     /// this, every node name ever seen (nodes replaced under new names, selected-node values of
     /// deleted claims) would stay for the extender's lifetime. Returns how many were forgotten.
-    pub fn forget_idle_nodes(&mut self, held: &HashSet<NodeId>) -> usize {
+    pub fn forget_idle_nodes(&mut self, held: &NodeSet) -> usize {
         let idle: Vec<String> = self
             .nodes
             .iter()
-            .filter(|(_, e)| e.capacity.is_none() && e.volumes.is_empty() && !held.contains(&e.id))
+            .filter(|(_, e)| e.capacity.is_none() && e.volumes.is_empty() && !held.contains(e.id))
             .map(|(name, _)| name.to_owned())
             .collect();
         for name in &idle {
-            if let Some(entry) = self.nodes.remove(name) {
-                self.node_names.remove(&entry.id);
-            }
+            self.nodes.remove(name);
         }
         idle.len()
     }
@@ -663,16 +709,10 @@ impl CapacityIndex {
     /// has capacity, allocations or reservations ([`CapacityIndex::forget_idle_nodes`]), so its
     /// id is stable for as long as anything refers to it.
     fn entry(&mut self, node: &str) -> &mut NodeEntry {
-        let next_node_id = &mut self.next_node_id;
-        let node_names = &mut self.node_names;
-        self.nodes.get_or_insert_with(node, || {
-            *next_node_id += 1;
-            node_names.insert(NodeId(*next_node_id), node.to_owned());
-            NodeEntry {
-                id: NodeId(*next_node_id),
-                capacity: None,
-                volumes: HashSet::new(),
-            }
+        self.nodes.get_or_insert_with(node, |slot| NodeEntry {
+            id: NodeId(slot),
+            capacity: None,
+            volumes: HashSet::new(),
         })
     }
 

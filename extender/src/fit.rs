@@ -111,15 +111,35 @@ pub fn free_after(view: &NodeView, demand: &[u64]) -> Result<u64, Insufficient> 
 /// [`free_after`] of one volume on a node without unreflected items, in one pass over the
 /// pools; the same answer as the general path, overflow cases included.
 fn one_free_after(view: &NodeView, size: u64) -> Result<u64, Insufficient> {
+    one_volume_free_after(
+        &view.pools,
+        cap(view),
+        view.alignment,
+        view.overhead.as_ref(),
+        size,
+    )
+}
+
+/// [`free_after`] of one volume of `size` bytes on a node without unreflected items, from the
+/// parts of its [`NodeView`] (`cap` as [`cap`] computes it), for callers that have them at hand
+/// without building a view: the extender's /filter on a node with nothing allocated or reserved.
+#[inline]
+pub fn one_volume_free_after(
+    pools: &[u64],
+    cap: u64,
+    alignment: u64,
+    overhead: Option<&VolumeOverhead>,
+    size: u64,
+) -> Result<u64, Insufficient> {
     let insufficient = Insufficient {
         volumes: 1,
         bytes: size,
     };
-    let aligned = cost(size, view).ok_or(insufficient)?;
-    let cap_after = cap(view).checked_sub(aligned).ok_or(insufficient)?;
+    let aligned = volume_cost(size, alignment, overhead).ok_or(insufficient)?;
+    let cap_after = cap.checked_sub(aligned).ok_or(insufficient)?;
     let mut placed = false;
     let mut pools_after = 0u64;
-    for pool in &view.pools {
+    for pool in pools {
         let left = if !placed && *pool >= aligned {
             placed = true;
             pool - aligned

@@ -11,6 +11,7 @@ pub mod explain_route;
 pub mod fit;
 pub mod json_response;
 pub mod metrics;
+pub mod node_set;
 pub mod node_table;
 pub mod placement;
 pub mod plain_args;

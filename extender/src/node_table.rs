@@ -92,6 +92,17 @@ impl<T> NodeTable<T> {
             .get(span.start..span.start.checked_add(span.len)?)
     }
 
+    /// The slot of `name`: its value's position, stable while the name stays and handed to
+    /// another name only after it was removed.
+    pub fn slot(&self, name: &str) -> Option<u32> {
+        self.find(name)
+    }
+
+    /// The name in `slot`, if the slot is occupied.
+    pub fn name_at(&self, slot: u32) -> Option<&str> {
+        self.name_of(slot)
+    }
+
     fn find(&self, name: &str) -> Option<u32> {
         if self.table.is_empty() {
             return None;
@@ -114,11 +125,19 @@ impl<T> NodeTable<T> {
         self.values.get_mut(slot as usize)?.as_mut()
     }
 
-    /// The value of `name`, inserting `make()` first when there is none.
-    pub fn get_or_insert_with(&mut self, name: &str, make: impl FnOnce() -> T) -> &mut T {
+    /// The value of `name`, inserting `make(slot)` first when there is none (`slot`: where it
+    /// goes, see [`NodeTable::slot`]).
+    pub fn get_or_insert_with(&mut self, name: &str, make: impl FnOnce(u32) -> T) -> &mut T {
         let slot = match self.find(name) {
             Some(slot) => slot,
-            None => self.insert_new(name, make()),
+            None => {
+                let slot = self
+                    .free
+                    .last()
+                    .copied()
+                    .unwrap_or_else(|| u32::try_from(self.spans.len()).unwrap_or(u32::MAX));
+                self.insert_new(name, make(slot))
+            }
         };
         match self.values.get_mut(slot as usize) {
             Some(Some(value)) => value,
@@ -235,14 +254,14 @@ mod tests {
         assert!(table.is_empty());
         assert_eq!(table.get("a"), None);
         assert_eq!(table.remove("a"), None);
-        *table.get_or_insert_with("a", || 1) += 10;
+        *table.get_or_insert_with("a", |_| 1) += 10;
         assert_eq!(
-            *table.get_or_insert_with("a", || 99),
+            *table.get_or_insert_with("a", |_| 99),
             11,
             "present: not made"
         );
-        table.get_or_insert_with("", || 2);
-        table.get_or_insert_with("ä-node", || 3);
+        table.get_or_insert_with("", |_| 2);
+        table.get_or_insert_with("ä-node", |_| 3);
         assert_eq!(table.len(), 3);
         assert_eq!(
             (table.get("a"), table.get(""), table.get("ä-node")),
@@ -255,7 +274,7 @@ mod tests {
         assert_eq!(table.remove(""), Some(20));
         assert_eq!(table.get(""), None);
         // The slot is reused, the other names are untouched.
-        table.get_or_insert_with("c", || 4);
+        table.get_or_insert_with("c", |_| 4);
         let all: BTreeMap<&str, i32> = table.iter().map(|(n, v)| (n, *v)).collect();
         assert_eq!(all, BTreeMap::from([("a", 11), ("c", 4), ("ä-node", 3)]));
         for (_, v) in table.iter_mut() {
@@ -268,7 +287,7 @@ mod tests {
     fn many_removals_compact_the_arena() {
         let mut table = NodeTable::new();
         for i in 0..20_000 {
-            table.get_or_insert_with(&format!("node-{i:08}"), || i);
+            table.get_or_insert_with(&format!("node-{i:08}"), |_| i);
         }
         let full = table.names.len();
         for i in (0..20_000).filter(|i| i % 4 != 0) {
@@ -304,7 +323,11 @@ mod tests {
                 match op {
                     Op::Insert(n, v) => {
                         let name = format!("n{n}");
-                        *table.get_or_insert_with(&name, || v) = v;
+                        let mut made = None;
+                        *table.get_or_insert_with(&name, |slot| { made = Some(slot); v }) = v;
+                        if let Some(slot) = made {
+                            prop_assert_eq!(table.slot(&name), Some(slot));
+                        }
                         map.insert(name, v);
                     }
                     Op::Remove(n) => {
@@ -317,6 +340,8 @@ mod tests {
             for n in 0..40u8 {
                 let name = format!("n{n}");
                 prop_assert_eq!(table.get(&name), map.get(&name));
+                let named = table.slot(&name).and_then(|slot| table.name_at(slot));
+                prop_assert_eq!(named, map.contains_key(&name).then_some(name.as_str()));
             }
             let all: BTreeMap<String, u16> = table.iter().map(|(n, v)| (n.to_owned(), *v)).collect();
             prop_assert_eq!(all, map);

@@ -19,12 +19,11 @@
 //!
 //! Time is an [`Instant`] passed in; the book never reads a clock.
 
-use std::borrow::Borrow;
-use std::collections::{BTreeMap, HashSet};
-use std::hash::Hash;
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use crate::node_table::NodeHasher;
+use crate::capacity_index::NodeId;
+use crate::node_set::NodeSet;
 use controllers::volume_facts::ClaimKey;
 
 /// How long a reservation lives when nothing ends it (`--reservation-ttl` default).
@@ -46,11 +45,11 @@ pub struct Entry {
 
 /// A reservation as reported when it ends other than by its entries (for logs and counters).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ReservationSummary<N = String> {
+pub struct ReservationSummary {
     /// The owning pod's uid.
     pub pod_uid: String,
-    /// The nodes it was held on, in no particular order.
-    pub nodes: Vec<N>,
+    /// The nodes it was held on.
+    pub nodes: NodeSet,
     /// The entries still open.
     pub entries: Vec<Entry>,
     /// When it was made.
@@ -58,16 +57,17 @@ pub struct ReservationSummary<N = String> {
 }
 
 #[derive(Clone, Debug)]
-struct Reservation<N> {
-    // Hashed: `reserved_on` asks once per candidate node, thousands per /filter.
-    nodes: HashSet<N, NodeHasher>,
+struct Reservation {
+    // A bitmap: `reserved_on` asks once per candidate node, thousands per /filter, and a
+    // reserve-all reservation is rebuilt on every /filter of its pod.
+    nodes: NodeSet,
     entries: BTreeMap<EntryKey, u64>,
     created: Instant,
     /// `None`: the TTL does not fit into an `Instant`, so it never expires.
     expires: Option<Instant>,
 }
 
-impl<N> Reservation<N> {
+impl Reservation {
     fn entries(&self) -> impl Iterator<Item = Entry> {
         self.entries.iter().map(|(key, size)| Entry {
             key: key.clone(),
@@ -83,10 +83,10 @@ impl<N> Reservation<N> {
 
     /// Moves the nodes out instead of copying them: a reserve-all reservation can name
     /// thousands, and every /filter of a pod replaces the previous one.
-    fn into_summary(self, pod_uid: &str) -> ReservationSummary<N> {
+    fn into_summary(self, pod_uid: &str) -> ReservationSummary {
         ReservationSummary {
             pod_uid: pod_uid.to_owned(),
-            nodes: self.nodes.into_iter().collect(),
+            nodes: self.nodes,
             entries: self
                 .entries
                 .iter()
@@ -102,16 +102,19 @@ impl<N> Reservation<N> {
 
 /// The open reservations but one pod's ([`ReservationBook::others`]).
 #[derive(Debug)]
-pub struct OtherReservations<'a, N>(Vec<&'a Reservation<N>>);
+pub struct OtherReservations<'a>(Vec<&'a Reservation>);
 
-impl<N: Hash + Eq> OtherReservations<'_, N> {
+impl OtherReservations<'_> {
+    /// Whether any of these reservations is held on `node`.
+    #[inline]
+    pub fn hold(&self, node: NodeId) -> bool {
+        self.0.iter().any(|r| r.nodes.contains(node))
+    }
+
     /// Bytes these reservations hold on `node`, their entries' sizes appended to `sizes` (no
     /// allocation on the extender's per-node path); returns their total.
-    pub fn reserved_into<Q>(&self, node: &Q, sizes: &mut Vec<u64>) -> u64
-    where
-        N: Borrow<Q>,
-        Q: Hash + Eq + ?Sized,
-    {
+    #[inline]
+    pub fn reserved_into(&self, node: NodeId, sizes: &mut Vec<u64>) -> u64 {
         let mut total = 0u64;
         for r in self.0.iter().filter(|r| r.nodes.contains(node)) {
             for size in r.entries.values() {
@@ -123,26 +126,25 @@ impl<N: Hash + Eq> OtherReservations<'_, N> {
     }
 }
 
-/// All open reservations of one extender instance, on nodes identified by `N` (the extender
-/// uses the capacity index's [`crate::capacity_index::NodeId`]: a reserve-all reservation names
-/// thousands of nodes, and every /filter of a pod replaces it, so node names would be
-/// allocated, hashed and freed thousands of times per call).
+/// All open reservations of one extender instance, on nodes identified by the capacity index's
+/// [`NodeId`] (a reserve-all reservation names thousands of nodes, and every /filter of a pod
+/// replaces it, so node names would be allocated, hashed and freed thousands of times per call).
 #[derive(Clone, Debug)]
-pub struct ReservationBook<N = String> {
+pub struct ReservationBook {
     ttl: Duration,
-    by_pod: BTreeMap<String, Reservation<N>>,
+    by_pod: BTreeMap<String, Reservation>,
     /// Which pod's reservation holds each claim: a claim is held at most once, even when several
     /// pending pods use it, so that it is never counted twice.
     claims: BTreeMap<ClaimKey, String>,
 }
 
-impl<N: Hash + Eq + Clone> Default for ReservationBook<N> {
+impl Default for ReservationBook {
     fn default() -> Self {
         Self::new(DEFAULT_TTL)
     }
 }
 
-impl<N: Hash + Eq + Clone> ReservationBook<N> {
+impl ReservationBook {
     /// An empty book whose reservations expire `ttl` after they are made.
     pub fn new(ttl: Duration) -> Self {
         ReservationBook {
@@ -161,10 +163,10 @@ impl<N: Hash + Eq + Clone> ReservationBook<N> {
     pub fn reserve(
         &mut self,
         pod_uid: &str,
-        nodes: impl IntoIterator<Item = N>,
+        nodes: impl IntoIterator<Item = NodeId>,
         entries: impl IntoIterator<Item = Entry>,
         now: Instant,
-    ) -> Option<ReservationSummary<N>> {
+    ) -> Option<ReservationSummary> {
         let expires = now.checked_add(self.ttl);
         self.reserve_until(pod_uid, nodes, entries, now, expires)
     }
@@ -174,13 +176,13 @@ impl<N: Hash + Eq + Clone> ReservationBook<N> {
     pub fn reserve_until(
         &mut self,
         pod_uid: &str,
-        nodes: impl IntoIterator<Item = N>,
+        nodes: impl IntoIterator<Item = NodeId>,
         entries: impl IntoIterator<Item = Entry>,
         now: Instant,
         expires: Option<Instant>,
-    ) -> Option<ReservationSummary<N>> {
+    ) -> Option<ReservationSummary> {
         let replaced = self.remove(pod_uid);
-        let nodes: HashSet<N, NodeHasher> = nodes.into_iter().collect();
+        let nodes: NodeSet = nodes.into_iter().collect();
         let entries: BTreeMap<EntryKey, u64> =
             entries.into_iter().map(|e| (e.key, e.size)).collect();
         if nodes.is_empty() || entries.is_empty() {
@@ -221,7 +223,7 @@ impl<N: Hash + Eq + Clone> ReservationBook<N> {
     /// on `node` only, because that is where they will be provisioned. `None`: a node the caller
     /// cannot identify (one without published capacity, where no fit could count them anyway):
     /// the claim entries are held nowhere until their selected-node hands them over.
-    pub fn pod_bound(&mut self, pod_uid: &str, node: Option<N>) -> Vec<Entry> {
+    pub fn pod_bound(&mut self, pod_uid: &str, node: Option<NodeId>) -> Vec<Entry> {
         let Some(reservation) = self.by_pod.get_mut(pod_uid) else {
             return Vec::new();
         };
@@ -246,12 +248,12 @@ impl<N: Hash + Eq + Clone> ReservationBook<N> {
     }
 
     /// The pod was deleted: its reservation ends. Returns it, if there was one.
-    pub fn pod_deleted(&mut self, pod_uid: &str) -> Option<ReservationSummary<N>> {
+    pub fn pod_deleted(&mut self, pod_uid: &str) -> Option<ReservationSummary> {
         self.remove(pod_uid)
     }
 
     /// Ends every reservation whose expiry is at or before `now` and returns them.
-    pub fn expire(&mut self, now: Instant) -> Vec<ReservationSummary<N>> {
+    pub fn expire(&mut self, now: Instant) -> Vec<ReservationSummary> {
         let expired: Vec<String> = self
             .by_pod
             .iter()
@@ -263,29 +265,21 @@ impl<N: Hash + Eq + Clone> ReservationBook<N> {
 
     /// Bytes reserved on `node` by every pod except `excluding_pod` (a pod filtered again must not
     /// see its own reservation), as the total and the sizes of the entries.
-    pub fn reserved_on<Q>(&self, node: &Q, excluding_pod: &str) -> (u64, Vec<u64>)
-    where
-        N: Borrow<Q>,
-        Q: Hash + Eq + ?Sized,
-    {
+    pub fn reserved_on(&self, node: NodeId, excluding_pod: &str) -> (u64, Vec<u64>) {
         let mut sizes = Vec::new();
         let total = self.reserved_into(node, excluding_pod, &mut sizes);
         (total, sizes)
     }
 
     /// [`ReservationBook::reserved_on`] appending the sizes to `sizes`; returns their total.
-    pub fn reserved_into<Q>(&self, node: &Q, excluding_pod: &str, sizes: &mut Vec<u64>) -> u64
-    where
-        N: Borrow<Q>,
-        Q: Hash + Eq + ?Sized,
-    {
+    pub fn reserved_into(&self, node: NodeId, excluding_pod: &str, sizes: &mut Vec<u64>) -> u64 {
         self.others(excluding_pod).reserved_into(node, sizes)
     }
 
     /// The reservations of every pod except `excluding_pod`, set aside once for asking about
     /// many nodes (a /filter asks about thousands; comparing the pod's uid with each
     /// reservation's on every node cost more than the rest of the lookup).
-    pub fn others(&self, excluding_pod: &str) -> OtherReservations<'_, N> {
+    pub fn others(&self, excluding_pod: &str) -> OtherReservations<'_> {
         OtherReservations(
             self.by_pod
                 .iter()
@@ -320,7 +314,7 @@ impl<N: Hash + Eq + Clone> ReservationBook<N> {
     ) -> impl Iterator<
         Item = (
             &str,
-            impl ExactSizeIterator<Item = &N>,
+            impl ExactSizeIterator<Item = NodeId>,
             impl Iterator<Item = Entry>,
             Option<Instant>,
         ),
@@ -335,7 +329,7 @@ impl<N: Hash + Eq + Clone> ReservationBook<N> {
         &self,
         pod_uid: &str,
     ) -> Option<(
-        impl ExactSizeIterator<Item = &N>,
+        impl ExactSizeIterator<Item = NodeId>,
         impl Iterator<Item = Entry>,
         Option<Instant>,
     )> {
@@ -345,7 +339,7 @@ impl<N: Hash + Eq + Clone> ReservationBook<N> {
     }
 
     /// The nodes some open reservation is held on (with repetitions).
-    pub fn held_on(&self) -> impl Iterator<Item = &N> {
+    pub fn held_on(&self) -> impl Iterator<Item = NodeId> {
         self.by_pod.values().flat_map(|r| r.nodes.iter())
     }
 
@@ -355,13 +349,13 @@ impl<N: Hash + Eq + Clone> ReservationBook<N> {
     }
 
     /// The open reservation of a pod, if any.
-    pub fn get(&self, pod_uid: &str) -> Option<ReservationSummary<N>> {
+    pub fn get(&self, pod_uid: &str) -> Option<ReservationSummary> {
         self.by_pod
             .get(pod_uid)
             .map(|r| r.clone().into_summary(pod_uid))
     }
 
-    fn remove(&mut self, pod_uid: &str) -> Option<ReservationSummary<N>> {
+    fn remove(&mut self, pod_uid: &str) -> Option<ReservationSummary> {
         let reservation = self.by_pod.remove(pod_uid)?;
         for key in reservation.entries.keys() {
             if let EntryKey::Claim(claim) = key
@@ -408,8 +402,14 @@ mod tests {
         }
     }
 
-    fn nodes(names: &[&str]) -> Vec<String> {
-        names.iter().map(|n| (*n).to_owned()).collect()
+    /// The node named by one letter: "a" is id 0, "b" id 1, …
+    fn n(name: &str) -> NodeId {
+        let letter = name.bytes().next().expect("test name");
+        NodeId::from_index(usize::from(letter - b'a')).expect("test id")
+    }
+
+    fn nodes(names: &[&str]) -> Vec<NodeId> {
+        names.iter().map(|name| n(name)).collect()
     }
 
     /// The book plus a toy index, updated together as the caller must.
@@ -433,13 +433,13 @@ mod tests {
         }
 
         fn bind(&mut self, pod: &str, node: &str) {
-            for entry in self.book.pod_bound(pod, Some(node.to_owned())) {
+            for entry in self.book.pod_bound(pod, Some(n(node))) {
                 *self.allocated.entry(node.to_owned()).or_default() += entry.size;
             }
         }
 
         fn seen(&self, node: &str) -> u64 {
-            self.book.reserved_on(node, "").0 + self.allocated.get(node).copied().unwrap_or(0)
+            self.book.reserved_on(n(node), "").0 + self.allocated.get(node).copied().unwrap_or(0)
         }
     }
 
@@ -459,11 +459,11 @@ mod tests {
             None
         );
         assert_eq!(book.len(), 1);
-        assert_eq!(book.reserved_on("a", ""), (3 * GI, vec![GI, 2 * GI]));
-        assert_eq!(book.reserved_on("b", "p2"), (3 * GI, vec![GI, 2 * GI]));
-        assert_eq!(book.reserved_on("c", ""), (0, vec![]));
+        assert_eq!(book.reserved_on(n("a"), ""), (3 * GI, vec![GI, 2 * GI]));
+        assert_eq!(book.reserved_on(n("b"), "p2"), (3 * GI, vec![GI, 2 * GI]));
+        assert_eq!(book.reserved_on(n("c"), ""), (0, vec![]));
         assert_eq!(
-            book.reserved_on("a", "p1"),
+            book.reserved_on(n("a"), "p1"),
             (0, vec![]),
             "own reservation is not seen"
         );
@@ -473,12 +473,11 @@ mod tests {
         let replaced = book
             .reserve("p1", nodes(&["b"]), [claim("c1", GI)], t0)
             .unwrap_or_else(|| panic!("replaced"));
-        let mut held = replaced.nodes.clone();
-        held.sort();
+        let held: Vec<NodeId> = replaced.nodes.iter().collect();
         assert_eq!(held, nodes(&["a", "b"]));
         assert_eq!(replaced.entries.len(), 2);
-        assert_eq!(book.reserved_on("a", ""), (0, vec![]));
-        assert_eq!(book.reserved_on("b", ""), (GI, vec![GI]));
+        assert_eq!(book.reserved_on(n("a"), ""), (0, vec![]));
+        assert_eq!(book.reserved_on(n("b"), ""), (GI, vec![GI]));
         assert_eq!(book.total_reserved(), GI);
 
         // No nodes or no entries: nothing held, the old one is gone.
@@ -502,7 +501,7 @@ mod tests {
             [claim("c1", GI), claim("c1", 2 * GI)],
             t0,
         );
-        assert_eq!(book.reserved_on("a", ""), (2 * GI, vec![2 * GI]));
+        assert_eq!(book.reserved_on(n("a"), ""), (2 * GI, vec![2 * GI]));
     }
 
     #[test]
@@ -516,7 +515,7 @@ mod tests {
             t0,
         );
         book.reserve("p2", nodes(&["a"]), [claim("shared", GI)], t0);
-        assert_eq!(book.reserved_on("a", ""), (2 * GI, vec![GI, GI]));
+        assert_eq!(book.reserved_on(n("a"), ""), (2 * GI, vec![GI, GI]));
         assert_eq!(
             book.get("p1").map(|r| r.entries),
             Some(vec![claim("own", GI)])
@@ -529,7 +528,7 @@ mod tests {
             t0,
         );
         assert_eq!(book.get("p2"), None);
-        assert_eq!(book.reserved_on("a", ""), (2 * GI, vec![GI, GI]));
+        assert_eq!(book.reserved_on(n("a"), ""), (2 * GI, vec![GI, GI]));
         // p2 deleted later must not release p1's hold.
         assert_eq!(book.pod_deleted("p2"), None);
         assert_eq!(
@@ -574,7 +573,7 @@ mod tests {
                 want,
                 "{name}"
             );
-            assert_eq!(book.reserved_on("a", "").0, left, "{name}");
+            assert_eq!(book.reserved_on(n("a"), "").0, left, "{name}");
             assert_eq!(
                 book.claim_selected(&ClaimKey::new(ns, claim_name), node),
                 None,
@@ -606,37 +605,37 @@ mod tests {
             t0,
         );
         assert_eq!(
-            book.pod_bound("p1", Some("b".into())),
+            book.pod_bound("p1", Some(n("b"))),
             vec![inline("p1", "v", 2 * GI)]
         );
         assert_eq!(
-            book.reserved_on("a", ""),
+            book.reserved_on(n("a"), ""),
             (0, vec![]),
             "released on nodes not chosen"
         );
         assert_eq!(
-            book.reserved_on("b", ""),
+            book.reserved_on(n("b"), ""),
             (GI, vec![GI]),
             "claim stays until selected"
         );
-        assert_eq!(book.pod_bound("p1", Some("b".into())), vec![], "idempotent");
-        assert_eq!(book.pod_bound("unknown", Some("b".into())), vec![]);
+        assert_eq!(book.pod_bound("p1", Some(n("b"))), vec![], "idempotent");
+        assert_eq!(book.pod_bound("unknown", Some(n("b"))), vec![]);
 
         book.reserve("p2", nodes(&["a"]), [inline("p2", "v", GI)], t0);
-        assert_eq!(book.pod_bound("p2", Some("a".into())).len(), 1);
+        assert_eq!(book.pod_bound("p2", Some(n("a"))).len(), 1);
         assert_eq!(book.get("p2"), None, "only inline entries: ends");
 
         // Bound to a node the reservation was not on: the claims follow the pod.
         book.reserve("p3", nodes(&["a"]), [claim("c3", GI)], t0);
-        book.pod_bound("p3", Some("z".into()));
-        assert_eq!(book.reserved_on("z", ""), (GI, vec![GI]));
-        assert_eq!(book.reserved_on("a", ""), (0, vec![]));
+        book.pod_bound("p3", Some(n("z")));
+        assert_eq!(book.reserved_on(n("z"), ""), (GI, vec![GI]));
+        assert_eq!(book.reserved_on(n("a"), ""), (0, vec![]));
 
         // Bound to a node the caller cannot identify: the claim is held nowhere, yet still
         // hands over once selected.
         book.reserve("p4", nodes(&["a"]), [claim("c4", GI)], t0);
         assert_eq!(book.pod_bound("p4", None), vec![]);
-        assert_eq!(book.reserved_on("a", ""), (0, vec![]));
+        assert_eq!(book.reserved_on(n("a"), ""), (0, vec![]));
         assert_eq!(book.total_reserved(), 2 * GI, "p1's claim on b, p3's on z");
         assert_eq!(
             book.claim_selected(&ClaimKey::new("ns", "c4"), "y"),
@@ -708,7 +707,7 @@ mod tests {
             t0,
         );
         book.reserve("p2", nodes(&["a"]), [claim("c3", 1)], t0);
-        assert_eq!(book.reserved_on("a", "").0, u64::MAX);
+        assert_eq!(book.reserved_on(n("a"), "").0, u64::MAX);
         assert_eq!(book.total_reserved(), u64::MAX);
     }
 
@@ -802,7 +801,7 @@ mod tests {
                     .filter(|v| bound.get(&owner(v)).is_none_or(|b| *b == node))
                     .map(|v| size(v))
                     .sum();
-                prop_assert_eq!(world.book.reserved_on(node, "").0, reserved);
+                prop_assert_eq!(world.book.reserved_on(n(node), "").0, reserved);
             }
         }
     }
