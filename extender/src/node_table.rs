@@ -98,6 +98,11 @@ impl<T> NodeTable<T> {
         self.find(name)
     }
 
+    /// The value in `slot`, if the slot is occupied.
+    pub fn get_at(&self, slot: u32) -> Option<&T> {
+        self.values.get(slot as usize)?.as_ref()
+    }
+
     /// The name in `slot`, if the slot is occupied.
     pub fn name_at(&self, slot: u32) -> Option<&str> {
         self.name_of(slot)
@@ -342,6 +347,8 @@ mod tests {
                 prop_assert_eq!(table.get(&name), map.get(&name));
                 let named = table.slot(&name).and_then(|slot| table.name_at(slot));
                 prop_assert_eq!(named, map.contains_key(&name).then_some(name.as_str()));
+                let at = table.slot(&name).and_then(|slot| table.get_at(slot));
+                prop_assert_eq!(at, map.get(&name));
             }
             let all: BTreeMap<String, u16> = table.iter().map(|(n, v)| (n.to_owned(), *v)).collect();
             prop_assert_eq!(all, map);

@@ -82,6 +82,9 @@ pub struct Demand {
     pub sizes: Vec<u64>,
     /// The pod's own claims: their allocations are the demand, not someone else's usage.
     pub own_claims: Vec<ClaimKey>,
+    /// Whether one of `own_claims` is allocated on some node already (then no node's
+    /// [`crate::capacity_index::SettledNode`] may stand for what the fit reads there).
+    pub own_counted: bool,
 }
 
 /// The answer of `/filter` and what to count about it.
@@ -353,6 +356,10 @@ impl ExtenderState {
             let already_selected = match &volume.source {
                 VolumeSource::Claim(key) | VolumeSource::Ephemeral(key) => {
                     demand.own_claims.push(key.clone());
+                    demand.own_counted |= self
+                        .index
+                        .counted_on(&VolumeKey::Claim(key.clone()))
+                        .is_some();
                     self.index
                         .claim(key)
                         .is_some_and(|c| c.selected_node.is_some())
@@ -444,25 +451,25 @@ impl ExtenderState {
         others: &OtherReservations<'_>,
         scratch: &mut NodeView,
     ) -> Result<(NodeId, u64), String> {
-        let node = self.index.node(node);
-        // The usual node (nothing allocated, no other pod's reservation) and the usual pod (one
-        // volume): the general path's answer without building a view, thousands of times per
-        // /filter. `fast_path_agrees_with_the_view` pins the equivalence.
-        if let ([size], Some(published)) = (
-            demand.sizes.as_slice(),
-            node.and_then(NodeRef::idle_published),
-        ) && !others.hold(published.id)
+        let id = self.index.node_id(node);
+        // The usual node (settled, no other pod's reservation) and the usual pod (one volume,
+        // not allocated yet): the general path's answer without building a view, thousands of
+        // times per /filter. `fast_path_agrees_with_the_view` pins the equivalence.
+        if let ([size], false, Some(id)) = (demand.sizes.as_slice(), demand.own_counted, id)
+            && let Some(settled) = self.index.settled(id)
+            && !others.hold(id)
         {
             return fit::one_volume_free_after(
-                published.pools,
-                published.managed.unwrap_or(u64::MAX),
-                published.alignment,
-                published.overhead.as_ref(),
+                settled.pools(),
+                settled.cap(),
+                settled.alignment,
+                settled.overhead.as_ref(),
                 *size,
             )
-            .map(|free| (published.id, free))
+            .map(|free| (id, free))
             .map_err(|e| fit::reason(&e));
         }
+        let node = id.and_then(|id| self.index.node_by_id(id));
         let Some(id) = self.view_of(node, demand, others, scratch) else {
             return Err(fit::reason(&fit::Insufficient {
                 volumes: demand.sizes.len(),
@@ -842,31 +849,33 @@ mod tests {
     }
 
     proptest::proptest! {
-        /// `fit_on_with`'s shortcut for the usual node gives the answer of the general path
-        /// (the node's view, then [`fit::free_after`]), whatever the node publishes, holds and
-        /// has reserved by other pods.
+        /// `fit_on_with`'s shortcut for settled nodes gives the answer of the general path
+        /// (the node's view, then [`fit::free_after`]), whatever the nodes publish, hold,
+        /// re-publish, lose and have reserved by other pods, and wherever the pod's own claim
+        /// already is.
         #[test]
         fn fast_path_agrees_with_the_view(
             nodes in proptest::collection::vec(
                 (
-                    proptest::collection::vec(0u64..3_000, 1..4),
+                    proptest::collection::vec(0u64..3_000, 1..6),
                     proptest::option::of(0u64..8_000),
-                    proptest::option::of(1u64..2_000),
+                    proptest::option::of((1u64..2_000, proptest::bool::ANY, 0usize..5)),
                     proptest::bool::ANY,
+                    0u8..3,
                 ),
                 1..5,
             ),
             size in 0u64..4_000,
+            own_on in proptest::option::of(0usize..5),
         ) {
             let mut state = ExtenderState::new(DRIVER, GI, Duration::from_secs(600));
             state
                 .index
                 .apply_class(&storage_class("late", DRIVER, "WaitForFirstConsumer"));
             let names: Vec<String> = (0..nodes.len()).map(|i| format!("n{i}")).collect();
-            for (name, (pools, managed, allocated, reserved)) in names.iter().zip(&nodes) {
-                let pools: Vec<u64> = pools.iter().map(|p| p * MI).collect();
+            let publish = |state: &mut ExtenderState, name: &str, pools: &[u64], managed: Option<u64>| {
                 let mut capacity = controllers::test_objects::published_capacity(
-                    "default", DRIVER, name, "late", &pools, managed.map_or(0, |m| m * MI),
+                    "default", DRIVER, name, "late", pools, managed.unwrap_or(0),
                 );
                 if managed.is_none() {
                     // Not published: the cap view is unbounded.
@@ -875,17 +884,40 @@ mod tests {
                     }
                 }
                 state.index.apply_capacity(&capacity);
-                if let Some(mib) = allocated {
+            };
+            for (name, (pools, managed, allocated, reserved, deleted)) in names.iter().zip(&nodes) {
+                let mut pools: Vec<u64> = pools.iter().map(|p| p * MI).collect();
+                let managed = managed.map(|m| m * MI);
+                publish(&mut state, name, &pools, managed);
+                if let Some((mib, republish, moved_to)) = allocated {
                     let claim = format!("on-{name}");
                     state.apply_claim(&sized_claim(&claim, "late", &format!("{mib}Mi"), Some(name), None));
+                    if *republish {
+                        // The node publishes again, the allocation taken from its first pool.
+                        if let Some(first) = pools.first_mut() {
+                            *first = first.saturating_sub(mib * MI);
+                        }
+                        publish(&mut state, name, &pools, managed);
+                    }
+                    if let Some(other) = names.get(*moved_to) {
+                        state.apply_claim(&sized_claim(&claim, "late", &format!("{mib}Mi"), Some(other), None));
+                    }
                 }
                 if *reserved {
                     let pod = format!("other-{name}");
                     state.apply_claim(&sized_claim(&pod, "late", "300Mi", None, None));
                     filter(&mut state, &pod, &[name.as_str()]);
                 }
+                if *deleted > 0 {
+                    state.index.delete_capacity(&controllers::well_known::capacity_object_name(name, "late"));
+                }
+                if *deleted > 1 {
+                    pools.push(7 * MI);
+                    publish(&mut state, name, &pools, managed);
+                }
             }
-            state.apply_claim(&sized_claim("x", "late", &format!("{size}Mi"), None, None));
+            let own_node = own_on.and_then(|i| names.get(i)).map(String::as_str);
+            state.apply_claim(&sized_claim("x", "late", &format!("{size}Mi"), own_node, None));
             let pod = claim_pod("x");
             let demand = state.demand(&pod);
             proptest::prop_assert_eq!(demand.sizes.len(), 1);
@@ -898,7 +930,7 @@ mod tests {
                     Some(id) => fit::free_after(&view, &demand.sizes)
                         .map(|free| (id, free))
                         .map_err(|e| fit::reason(&e)),
-                    None => Err("unpublished".to_string()),
+                    None => Err(fit::reason(&fit::Insufficient { volumes: 1, bytes: demand.sizes.first().copied().unwrap_or(0) })),
                 };
                 proptest::prop_assert_eq!(got, want, "{} {:?}", name, view);
             }
