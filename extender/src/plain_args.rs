@@ -113,12 +113,8 @@ impl<'a> Cursor<'a> {
         let rest = self.body.get(self.pos..)?;
         let len = memchr::memchr(b'"', rest)?;
         let string = rest.get(..len)?;
-        // An escaped quote ends the search early, but then its backslash is in `string`. One
-        // branch-free pass (vectorized) instead of three comparisons per byte.
-        let plain = string
-            .iter()
-            .fold(true, |plain, b| plain & (*b >= 0x20) & (*b != b'\\'));
-        if !plain {
+        // An escaped quote ends the search early, but then its backslash is in `string`.
+        if !is_plain(string) {
             return None;
         }
         self.pos += len + 1;
@@ -138,6 +134,9 @@ impl<'a> Cursor<'a> {
     fn names(&mut self) -> Option<PlainNames> {
         self.eat(b'[')?;
         self.skip_ws();
+        if let Some(names) = self.compact_names() {
+            return Some(names);
+        }
         // The names take at most what is left of the body: one allocation, no regrowth.
         let mut text = Vec::with_capacity(self.body.len().saturating_sub(self.pos));
         let mut ends = Vec::new();
@@ -155,14 +154,62 @@ impl<'a> Cursor<'a> {
                 }
             }
         }
-        // serde_json checks each string on its own: a character split across two names is
-        // valid in the joined text but not in either name.
-        let text = String::from_utf8(text).ok()?;
-        if !ends.iter().all(|end| text.is_char_boundary(*end)) {
+        plain_names(text, ends)
+    }
+
+    /// The rest of a non-empty list of names written compactly (`"a","b"]`, as kube-scheduler's
+    /// encoder writes it): one search per name for its closing quote, and one check of all the
+    /// list's bytes instead of one per name (whose bytes are too few to vectorize: that check
+    /// was 60 % of the decoder's time at 5,000 names). `None`, the cursor unmoved,
+    /// for anything else (whitespace between elements, escapes, control characters), which
+    /// the per-name loop then reads.
+    fn compact_names(&mut self) -> Option<PlainNames> {
+        let rest = self.body.get(self.pos..)?;
+        if rest.first() != Some(&b'"') {
             return None;
         }
-        Some(PlainNames { text, ends })
+        let mut text = Vec::with_capacity(rest.len());
+        let mut ends = Vec::new();
+        let mut open = 0;
+        let run = loop {
+            let start = open + 1;
+            let close = start + memchr::memchr(b'"', rest.get(start..)?)?;
+            text.extend_from_slice(rest.get(start..close)?);
+            ends.push(text.len());
+            match rest.get(close + 1..close + 3)? {
+                [b']', ..] => break close + 2,
+                [b',', b'"'] => open = close + 2,
+                _ => return None,
+            }
+        };
+        // A quote inside a name would be escaped, so its backslash lies within `run` (the
+        // quotes, commas and bracket are neither control characters nor backslashes).
+        if !is_plain(rest.get(..run)?) {
+            return None;
+        }
+        let names = plain_names(text, ends)?;
+        self.pos += run;
+        Some(names)
     }
+}
+
+/// Whether `bytes` hold no control character and no backslash, in one pass without branches
+/// that the compiler vectorizes (a per-byte `all` or a fold over `bool`s stays scalar).
+fn is_plain(bytes: &[u8]) -> bool {
+    bytes.iter().fold(0u8, |bad, b| {
+        bad | u8::from(*b < 0x20) | u8::from(*b == b'\\')
+    }) == 0
+}
+
+/// Names copied back to back, if each is UTF-8 on its own.
+fn plain_names(text: Vec<u8>, ends: Vec<usize>) -> Option<PlainNames> {
+    // serde_json checks each string on its own: a character split across two names is valid
+    // in the joined text but not in either name.
+    let text = String::from_utf8(text).ok()?;
+    if !ends.iter().all(|end| text.is_char_boundary(*end)) {
+        return None;
+    }
+    Some(PlainNames { text, ends })
 }
 
 #[cfg(test)]
@@ -200,6 +247,10 @@ mod tests {
             ),
             ("empty object", b"{}".to_vec()),
             (
+                "compact, then a space between names",
+                br#"{"NodeNames":["a","b", "c"]}"#.to_vec(),
+            ),
+            (
                 "full nodes",
                 serde_json::to_vec(&json!({"Pod": pod(), "Nodes": {"items": [{"metadata": {"name": "n1"}}]}}))
                     .expect("test value"),
@@ -215,6 +266,10 @@ mod tests {
     fn anything_else_is_left_to_the_general_decoder() {
         for (name, body) in [
             ("escape in a name", br#"{"NodeNames":["a\"b"]}"#.to_vec()),
+            (
+                "escaped backslash ending a name",
+                br#"{"NodeNames":["a","b\\","c"]}"#.to_vec(),
+            ),
             ("unicode escape", br#"{"NodeNames":["\u0061"]}"#.to_vec()),
             ("control character", b"{\"NodeNames\":[\"a\tb\"]}".to_vec()),
             ("null names", br#"{"NodeNames":null}"#.to_vec()),
