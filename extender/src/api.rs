@@ -498,7 +498,7 @@ pub struct PreemptionRequest {
 
 /// Decodes and validates a `/filter` or `/prioritize` body.
 pub fn decode_args(body: &[u8]) -> Result<ExtenderArgs, ExtenderApiError> {
-    let args: ExtenderArgs = decode_object(body, "ExtenderArgs")?;
+    let args = decode_args_general(body)?;
     args.validate()?;
     Ok(args)
 }

@@ -81,8 +81,9 @@ pub struct ServeOptions {
     pub max_connections_per_peer: usize,
     /// Requests in flight at most; a request over it is answered 503 at once, its body unread.
     pub max_requests_in_flight: usize,
-    /// Body bytes the requests in flight may hold together, each counted by its
-    /// `Content-Length` (in [`BODY_BUDGET_UNIT`]s); a request over it is answered 503 at once,
+    /// Body bytes the requests in flight may hold together, each counted by the length its
+    /// framing states (in [`BODY_BUDGET_UNIT`]s; a request without a body takes one unit);
+    /// a request over it is answered 503 at once,
     /// its body unread. Memory is bounded by bytes, not by a request count that would have to
     /// assume every body is as large as the biggest allowed (and so shed bursts of small ones).
     pub max_body_bytes_in_flight: usize,

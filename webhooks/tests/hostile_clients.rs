@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::DefaultBodyLimit;
-use axum::routing::post;
+use axum::routing::{get, post};
 use tls_common::{start_plain, until};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
@@ -332,9 +332,23 @@ async fn the_apiserver_is_answered_while_hostile_clients_attack() {
 }
 
 /// A router whose `/hold` reads the body, then waits until `release` (or 1.5 s) and answers
-/// "held" with the body's length; `entered` counts handlers that got their body.
+/// "held" with the body's length; `entered` counts handlers that got their body. `GET /probe`
+/// waits the same way, without a body.
 fn holding_router(release: Arc<Notify>, entered: Arc<AtomicUsize>) -> Router {
+    let (probe_release, probe_entered) = (Arc::clone(&release), Arc::clone(&entered));
     review_router()
+        .route(
+            "/probe",
+            get(move || {
+                let (release, entered) = (Arc::clone(&probe_release), Arc::clone(&probe_entered));
+                async move {
+                    entered.fetch_add(1, Ordering::SeqCst);
+                    let _ =
+                        tokio::time::timeout(Duration::from_millis(1500), release.notified()).await;
+                    "probed"
+                }
+            }),
+        )
         .route(
             "/hold",
             post(move |body: Bytes| {
@@ -456,6 +470,51 @@ async fn reviews_over_the_body_budget_are_shed_at_once() {
         assert_eq!(
             holder.await.expect("join").expect("held"),
             (200, format!("held {BODY}"))
+        );
+    }
+    server.shutdown.cancel();
+}
+
+/// A request without a body (a probe's GET) takes one unit of the body budget, not the largest
+/// body: with a budget of four largest bodies, eight probes in flight at once are all answered.
+/// (Charged as the largest, the fourth was shed with 503: tests/tls_rotation.rs's probes flaked
+/// on it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_without_a_body_take_one_unit_of_the_body_budget() {
+    const PROBES: usize = 8;
+    let release = Arc::new(Notify::new());
+    let entered = Arc::new(AtomicUsize::new(0));
+    let options = ServeOptions {
+        request_timeout: Some(Duration::from_secs(20)),
+        max_body_bytes_in_flight: 4 * BODY,
+        ..ServeOptions::webhook()
+    };
+    let server = start_plain(
+        holding_router(Arc::clone(&release), Arc::clone(&entered)),
+        options,
+    )
+    .await;
+    let addr = server.addr;
+    let probes: Vec<_> = (0..PROBES)
+        .map(|_| {
+            tokio::spawn(async move {
+                let mut s = connect_from(2, addr).await.map_err(|e| e.to_string())?;
+                s.write_all(b"GET /probe HTTP/1.1\r\nHost: webhook\r\n\r\n")
+                    .await
+                    .map_err(|e| e.to_string())?;
+                read_response(&mut s).await
+            })
+        })
+        .collect();
+    until(WAIT, "every probe in its handler at once", || async {
+        entered.load(Ordering::SeqCst) == PROBES
+    })
+    .await;
+    release.notify_waiters();
+    for probe in probes {
+        assert_eq!(
+            probe.await.expect("join").expect("answered"),
+            (200, "probed".to_string())
         );
     }
     server.shutdown.cancel();
