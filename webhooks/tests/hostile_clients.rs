@@ -47,6 +47,17 @@ async fn connect_from(from: u8, server: SocketAddr) -> std::io::Result<TcpStream
     socket.connect(server).await
 }
 
+/// Sends `request` as it is on the connection `connect` opens and returns the answer's status
+/// code and body.
+async fn raw(
+    connect: impl std::future::Future<Output = std::io::Result<TcpStream>>,
+    request: &'static [u8],
+) -> Result<(u16, String), String> {
+    let mut s = connect.await.map_err(|e| e.to_string())?;
+    s.write_all(request).await.map_err(|e| e.to_string())?;
+    read_response(&mut s).await
+}
+
 /// POSTs `body` to `/review` on `stream` and returns the status code and body of the answer.
 async fn review(stream: &mut TcpStream, body: &[u8]) -> Result<(u16, String), String> {
     let head = format!(
@@ -182,13 +193,10 @@ async fn requests_over_the_in_flight_limit_are_shed_at_once() {
     let addr = server.addr;
     let holders: Vec<_> = (0..LIMIT)
         .map(|_| {
-            tokio::spawn(async move {
-                let mut s = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
-                s.write_all(b"POST /hold HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
-                    .await
-                    .map_err(|e| e.to_string())?;
-                read_response(&mut s).await
-            })
+            tokio::spawn(raw(
+                TcpStream::connect(addr),
+                b"POST /hold HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}",
+            ))
         })
         .collect();
     until(WAIT, "both holders in their handler", || async {
@@ -497,13 +505,10 @@ async fn requests_without_a_body_take_one_unit_of_the_body_budget() {
     let addr = server.addr;
     let probes: Vec<_> = (0..PROBES)
         .map(|_| {
-            tokio::spawn(async move {
-                let mut s = connect_from(2, addr).await.map_err(|e| e.to_string())?;
-                s.write_all(b"GET /probe HTTP/1.1\r\nHost: webhook\r\n\r\n")
-                    .await
-                    .map_err(|e| e.to_string())?;
-                read_response(&mut s).await
-            })
+            tokio::spawn(raw(
+                connect_from(2, addr),
+                b"GET /probe HTTP/1.1\r\nHost: webhook\r\n\r\n",
+            ))
         })
         .collect();
     until(WAIT, "every probe in its handler at once", || async {
