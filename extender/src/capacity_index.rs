@@ -25,7 +25,6 @@ use k8s_openapi::api::storage::v1::{CSIStorageCapacity, StorageClass};
 
 use smallvec::SmallVec;
 
-use crate::node_set::NodeSet;
 use crate::node_table::NodeTable;
 
 /// One volume, however it is known.
@@ -767,14 +766,14 @@ impl CapacityIndex {
     }
 
     /// Forgets the nodes that hold nothing any more: no published capacity, no allocation, and
-    /// no id in `held` (the nodes reservations are held on, whose ids must stay stable). Without
+    /// not `held` (the nodes reservations are held on, whose ids must stay stable). Without
     /// this, every node name ever seen (nodes replaced under new names, selected-node values of
     /// deleted claims) would stay for the extender's lifetime. Returns how many were forgotten.
-    pub fn forget_idle_nodes(&mut self, held: &NodeSet) -> usize {
+    pub fn forget_idle_nodes(&mut self, held: impl Fn(NodeId) -> bool) -> usize {
         let idle: Vec<String> = self
             .nodes
             .iter()
-            .filter(|(_, e)| e.capacity.is_none() && e.volumes.is_empty() && !held.contains(e.id))
+            .filter(|(_, e)| e.capacity.is_none() && e.volumes.is_empty() && !held(e.id))
             .map(|(name, _)| name.to_owned())
             .collect();
         for name in &idle {

@@ -334,7 +334,7 @@ impl ExtenderState {
     /// returns how many.
     pub fn forget_idle_nodes(&mut self) -> usize {
         let held: NodeSet = self.book.held_on().collect();
-        self.index.forget_idle_nodes(&held)
+        self.index.forget_idle_nodes(|id| held.contains(id))
     }
 
     /// The pod's pending demand, from the index alone (no lookups on the request path).
