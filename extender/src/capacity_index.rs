@@ -626,7 +626,7 @@ impl CapacityIndex {
             return;
         };
         let mut unreflected = Vec::new();
-        let (published, allocated) = self.usage_of(self.node(node), &[], &mut unreflected);
+        let (published, allocated) = self.usage_of(self.node_by_id(id), &[], &mut unreflected);
         let settled = published
             .filter(|_| unreflected.is_empty())
             .and_then(|p| SettledNode::of(p, allocated));

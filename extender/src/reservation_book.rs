@@ -86,15 +86,8 @@ impl Reservation {
     fn into_summary(self, pod_uid: &str) -> ReservationSummary {
         ReservationSummary {
             pod_uid: pod_uid.to_owned(),
+            entries: self.entries().collect(),
             nodes: self.nodes,
-            entries: self
-                .entries
-                .iter()
-                .map(|(key, size)| Entry {
-                    key: key.clone(),
-                    size: *size,
-                })
-                .collect(),
             created: self.created,
         }
     }

@@ -350,9 +350,7 @@ fn holding_router(release: Arc<Notify>, entered: Arc<AtomicUsize>) -> Router {
             get(move || {
                 let (release, entered) = (Arc::clone(&probe_release), Arc::clone(&probe_entered));
                 async move {
-                    entered.fetch_add(1, Ordering::SeqCst);
-                    let _ =
-                        tokio::time::timeout(Duration::from_millis(1500), release.notified()).await;
+                    held(&release, &entered).await;
                     "probed"
                 }
             }),
@@ -362,15 +360,19 @@ fn holding_router(release: Arc<Notify>, entered: Arc<AtomicUsize>) -> Router {
             post(move |body: Bytes| {
                 let (release, entered) = (Arc::clone(&release), Arc::clone(&entered));
                 async move {
-                    entered.fetch_add(1, Ordering::SeqCst);
-                    let _ =
-                        tokio::time::timeout(Duration::from_millis(1500), release.notified()).await;
+                    held(&release, &entered).await;
                     format!("held {}", body.len())
                 }
             }),
         )
         // Layers apply to the routes added before them.
         .layer(DefaultBodyLimit::max(BODY))
+}
+
+/// A holding handler's wait: counted in `entered`, then until `release` or 1.5 s.
+async fn held(release: &Notify, entered: &AtomicUsize) {
+    entered.fetch_add(1, Ordering::SeqCst);
+    let _ = tokio::time::timeout(Duration::from_millis(1500), release.notified()).await;
 }
 
 /// POSTs `body` to `/hold` on a fresh connection from 127.0.0.`from`.
