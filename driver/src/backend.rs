@@ -237,9 +237,13 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn adopt(&self, _id: &str, _size: u64) -> bool {
         false
     }
-    /// Detaches devices of this backend that no mount holds (left by a crash between attach
-    /// and mount, or between unmount and detach); returns what it released, for the repair log.
-    fn release_unused(&self) -> Result<Vec<String>, BackendError> {
+    /// Detaches devices of this backend's volumes that `recorded` (this node's state index)
+    /// knows and no mount holds (left by a crash between attach and mount, or between unmount
+    /// and detach); returns what it released, for the repair log.
+    fn release_unused(
+        &self,
+        _recorded: &dyn Fn(&str) -> bool,
+    ) -> Result<Vec<String>, BackendError> {
         Ok(Vec::new())
     }
 }

@@ -293,16 +293,49 @@ impl Backend for Emulated {
         loopdev::detach(&device)
     }
 
-    fn release_unused(&self) -> Result<Vec<String>, BackendError> {
+    fn release_unused(&self, recorded: &dyn Fn(&str) -> bool) -> Result<Vec<String>, BackendError> {
         let mut released = Vec::new();
         for (device, backing) in loopdev::attached() {
-            // Only our own files: several simulated nodes share one kernel.
-            if self.id_of(&backing).is_none() || Self::in_use(&device)? {
+            // Only volumes of this node's own state: nodes sharing one kernel (testenv, kind,
+            // the real-node cluster) see each other's loop devices, often under the same
+            // backing path in their own mount namespaces, and another node's raw-block volume
+            // is mounted only in that node's namespace, where `in_use` cannot see it.
+            if !self.id_of(&backing).is_some_and(|id| recorded(&id)) || Self::in_use(&device)? {
                 continue;
             }
             loopdev::detach(&device)?;
             released.push(format!("{} ({})", device.display(), backing.display()));
         }
         Ok(released)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two nodes on one kernel with the same `--emulated-dir` path each see the other's loop
+    /// devices; only volumes of a node's own state may be detached by its start-up repair
+    /// (here: two volumes in one directory, one of them recorded).
+    #[test]
+    fn release_unused_detaches_only_recorded_volumes() {
+        let dir = tempfile::tempdir().expect("dir");
+        let backend = Emulated::new(dir.path(), 64 << 20).expect("backend");
+        for id in ["ours", "theirs"] {
+            backend
+                .create(id, 4 << 20, Usage::AppDirect)
+                .expect("create");
+            backend.attach(id).expect("attach");
+        }
+        let released = backend.release_unused(&|id| id == "ours").expect("release");
+        let ours = backend.attached("ours").expect("ours");
+        let theirs = backend.attached("theirs").expect("theirs");
+        // Clean up before asserting: loop devices outlive the test process.
+        for id in ["ours", "theirs"] {
+            backend.detach(id).expect("detach");
+        }
+        assert_eq!(released.len(), 1, "{released:?}");
+        assert!(ours.is_none(), "our unused device is released");
+        assert!(theirs.is_some(), "another node's device stays attached");
     }
 }

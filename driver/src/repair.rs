@@ -46,6 +46,10 @@ pub struct RepairPlan {
     pub unrecorded: Vec<String>,
     /// Devices whose state file was corrupt and moved aside: kept and reported.
     pub quarantined: Vec<String>,
+    /// Volumes whose device is shorter than recorded although no create was interrupted (a
+    /// file truncated by hand, a restored backup): kept as they are and reported, never
+    /// re-allocated (which on a full file system fails, and a failed create cleans up).
+    pub short: Vec<String>,
 }
 
 /// Why start-up refuses to repair.
@@ -102,7 +106,12 @@ pub fn plan(
             Some(actual) if actual >= volume.size || !partial_creates => {
                 plan.keep.push(volume.id.clone())
             }
-            Some(_) => plan.complete.push(volume.id.clone()),
+            // Only a pending marker proves that the allocation was under way.
+            Some(_) if pending => plan.complete.push(volume.id.clone()),
+            Some(_) => {
+                plan.keep.push(volume.id.clone());
+                plan.short.push(volume.id.clone());
+            }
             None if volume.adoptable => plan.keep.push(volume.id.clone()),
             None if pending => plan.forget.push(volume.id.clone()),
             None => missing.push(volume.id.clone()),
@@ -270,6 +279,20 @@ mod tests {
                 Ok(RepairPlan {
                     complete: ids(&["a"]),
                     clear_pending: ids(&["a"]),
+                    ..Default::default()
+                }),
+            ),
+            (
+                "short device, no create interrupted: kept and reported, never re-allocated",
+                vec![rec("a", 8, Some(4))],
+                &[],
+                &[],
+                &["a"],
+                true,
+                true,
+                Ok(RepairPlan {
+                    keep: ids(&["a"]),
+                    short: ids(&["a"]),
                     ..Default::default()
                 }),
             ),

@@ -352,6 +352,13 @@ impl Volumes {
             has_pools,
             self.backend.partial_creates(),
         )?;
+        for id in &plan.short {
+            tracing::warn!(
+                id,
+                recorded = index[id].size,
+                "repair: the volume's device is shorter than its state records, and no create was under way; kept as it is"
+            );
+        }
         for id in &plan.complete {
             let volume = &index[id];
             let size = u64::try_from(volume.size).unwrap_or(0);
@@ -416,7 +423,7 @@ impl Volumes {
         }
         for released in self
             .backend
-            .release_unused()
+            .release_unused(&|id| index.contains_key(id))
             .map_err(VolumeError::Backend)?
         {
             tracing::info!(device = released, "repair: detached an unused loop device");
