@@ -47,7 +47,8 @@
 #              uninstalled (with their namespaces) leaving nothing of ours
 #   status     show processes, nodes, pods
 #   stop       remove everything: processes, mounts, netns, links, routes, cgroups, files under
-#              /run, then fail if anything is left (the same check as `leftovers`)
+#              /run, restore the host's kernel settings, then fail if anything is left or any
+#              of HOST_SYSCTLS differs from before start (the same check as `leftovers`)
 #   leftovers  report what of the cluster is still there; exit status 1 if anything is
 #
 # Everything lives under $PMEM_CSI_REAL_NODES_DIR (default /tmp/pmem-csi-real-nodes: certs,
@@ -62,7 +63,17 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 TOP=${PMEM_CSI_REAL_NODES_DIR:-/tmp/pmem-csi-real-nodes}
 S=$TOP/state                       # all runtime state; removed by stop
 RUNDIR=/run/realnode               # namespace pin files (a private bind mount of itself)
-FORWARD_SAVED=$TOP/ip_forward.saved  # the host's net.ipv4.ip_forward before start, for stop
+SYSCTL_SAVED=$TOP/sysctl.saved      # HOST_SYSCTLS before start (kept by a failed stop)
+# Host-wide kernel settings the cluster may change: our net.ipv4.ip_forward; kubelet's kernel
+# tunables, which it writes at start without protectKernelDefaults (kernel.panic=10 and
+# panic_on_oops=1 would make a later oops reboot the machine) and which protectKernelDefaults
+# would instead refuse to start with; kube-proxy's conntrack and bridge settings (it runs in
+# the nodes' network namespaces, but some of these are global).
+HOST_SYSCTLS=(net.ipv4.ip_forward kernel.panic kernel.panic_on_oops vm.overcommit_memory
+  vm.panic_on_oom kernel.keys.root_maxkeys kernel.keys.root_maxbytes
+  net.netfilter.nf_conntrack_max net.netfilter.nf_conntrack_tcp_timeout_established
+  net.netfilter.nf_conntrack_tcp_timeout_close_wait net.ipv4.conf.all.route_localnet
+  net.bridge.bridge-nf-call-iptables net.bridge.bridge-nf-call-ip6tables)
 K8S_BIN=$(bash "$here/build.sh" --print-dir)
 NODE_BIN=$(bash "$here/node-tools.sh" --print-dir)
 CNI_BIN=$(bash "$here/node-tools.sh" --print-cni-dir)
@@ -232,11 +243,7 @@ host_network() {
   # A pod's packets to the other node's pods are routed by this host (pod subnet routes via the
   # node IPs below), which needs IPv4 forwarding; a fresh machine has it off, and then every
   # Service request that kube-proxy sends to the other node's endpoint times out. stop restores
-  # the previous value.
-  mkdir -p "$TOP"
-  if [[ ! -e $FORWARD_SAVED ]]; then
-    sysctl -n net.ipv4.ip_forward >"$FORWARD_SAVED"
-  fi
+  # the previous value (saved with HOST_SYSCTLS by start).
   sysctl -qw net.ipv4.ip_forward=1
 }
 
@@ -482,9 +489,39 @@ node_ready() {
   [[ $($KUBECTL get node "$1" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null) == True ]]
 }
 
+# name=value of each of HOST_SYSCTLS the kernel has (net.netfilter.* only with conntrack
+# loaded, net.bridge.* only with br_netfilter).
+host_sysctls() {
+  local k v
+  for k in "${HOST_SYSCTLS[@]}"; do
+    if v=$(sysctl -n "$k" 2>/dev/null); then printf '%s=%s\n' "$k" "${v//$'\t'/ }"; fi
+  done
+}
+
+# Writes back the saved HOST_SYSCTLS, except those named as arguments.
+restore_sysctls() {
+  local line k
+  [[ -e $SYSCTL_SAVED ]] || return 0
+  while IFS= read -r line; do
+    k=${line%%=*}
+    [[ " $* " == *" $k "* ]] && continue
+    [[ $(sysctl -n "$k" 2>/dev/null | tr '\t' ' ') == "${line#*=}" ]] && continue
+    sysctl -qw "$k=${line#*=}" || log "could not restore $k"
+  done <"$SYSCTL_SAVED"
+}
+
+# The HOST_SYSCTLS that differ from before start, one per line (empty: none).
+changed_sysctls() {
+  [[ -e $SYSCTL_SAVED ]] || return 0
+  diff <(sort "$SYSCTL_SAVED") <(host_sysctls | sort) | grep '^[<>]' || true
+}
+
 start() {
   local t0=$SECONDS
   preflight
+  mkdir -p "$TOP"
+  # A saved set left by a failed stop holds the host's real values: keep it.
+  [[ -e $SYSCTL_SAVED ]] || host_sysctls >"$SYSCTL_SAVED"
   mkdir -p "$S"/{pki,logs,pids} "$RUNDIR"
   mountpoint -q "$RUNDIR" || { mount --bind "$RUNDIR" "$RUNDIR"; mount --make-private "$RUNDIR"; }
   # the per-node dirs need mount points on the host; remember which ones we create
@@ -501,6 +538,9 @@ start() {
   for n in "${NODES[@]}"; do wait_for 180 "node $n Ready" node_ready "$n"; done
 
   log "both nodes Ready $((SECONDS - t0))s after start"
+  # kubelet wrote its kernel tunables once at start; the host keeps its own for the run (a
+  # kernel oops must not reboot it), only forwarding stays on.
+  restore_sysctls net.ipv4.ip_forward
   # pods are refused until the serviceaccount controller has made the namespace's "default"
   wait_for 60 "serviceaccount default/default" kubectl_ get serviceaccount default
   $KUBECTL get nodes -o wide
@@ -1182,9 +1222,8 @@ stop() {
     ip netns del "$(netns_name "$n")" 2>/dev/null || true
   done
   ip link del "$BRIDGE" 2>/dev/null || true
-  if [[ -e $FORWARD_SAVED ]]; then
-    sysctl -qw net.ipv4.ip_forward="$(cat "$FORWARD_SAVED")" && rm -f "$FORWARD_SAVED"
-  fi
+  restore_sysctls
+  if [[ -z $(changed_sysctls) ]]; then rm -f "$SYSCTL_SAVED"; fi
   if mountpoint -q "$RUNDIR"; then umount "$RUNDIR"; fi
   rm -rf "$RUNDIR"
   # 4. loop devices of pods (e.g. pmem-csi's emulated PMEM) whose backing files are ours: their
@@ -1252,6 +1291,11 @@ leftovers() {
     log "possibly leftover loop devices ^"; found=1
   fi
   if ls -d /sys/fs/cgroup/*/realnode-* 2>/dev/null; then log "leftover cgroups ^"; found=1; fi
+  if [[ -e $SYSCTL_SAVED ]]; then
+    log "kernel settings not restored (before start <, now >; saved in $SYSCTL_SAVED):"
+    changed_sysctls >&3
+    found=1
+  fi
   for p in "$RUNDIR" "$S" "${NODE_DIRS[@]}"; do
     [[ -e $p ]] && { log "leftover file $p"; found=1; }
   done
