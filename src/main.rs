@@ -197,7 +197,11 @@ async fn main() -> anyhow::Result<()> {
         None => admin,
     };
     let token = shutdown.clone();
-    work.spawn(async move { admin.serve(token).await.map_err(anyhow::Error::from) });
+    work.spawn(async move {
+        webhooks::https::serve_admin(admin, webhooks::https::ServeOptions::admin(), token)
+            .await
+            .map_err(anyhow::Error::from)
+    });
 
     // The first of: a signal, or a server ending by itself (an error, or a bug).
     let early = tokio::select! {

@@ -11,7 +11,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
 
 use crate::readiness::Readiness;
 
@@ -29,17 +28,9 @@ pub enum AdminError {
         /// Why binding failed.
         source: std::io::Error,
     },
-    /// The server failed while serving.
-    #[error("admin server on {address} failed: {source}")]
-    Serve {
-        /// The address it listened on.
-        address: SocketAddr,
-        /// Why serving failed.
-        source: std::io::Error,
-    },
 }
 
-/// The bound admin server, ready to serve until its cancellation token fires.
+/// The bound admin server and its routes, ready to be served ([`AdminServer::into_parts`]).
 pub struct AdminServer {
     listener: TcpListener,
     address: SocketAddr,
@@ -89,14 +80,11 @@ impl AdminServer {
         self.address
     }
 
-    /// Serves until `shutdown` is cancelled, then lets in-flight requests finish.
-    pub async fn serve(self, shutdown: CancellationToken) -> Result<(), AdminError> {
-        let address = self.address;
-        tracing::info!(%address, "admin server listening");
-        axum::serve(self.listener, router(self.state).merge(self.extra))
-            .with_graceful_shutdown(shutdown.cancelled_owned())
-            .await
-            .map_err(|source| AdminError::Serve { address, source })
+    /// The bound listener and every route, for a server with deadlines and connection caps to
+    /// serve (`webhooks::https::serve_admin`): a plain `axum::serve` has neither, and a few
+    /// thousand clients that never finish their headers would hold its file descriptors.
+    pub fn into_parts(self) -> (TcpListener, Router) {
+        (self.listener, router(self.state).merge(self.extra))
     }
 }
 

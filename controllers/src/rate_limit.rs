@@ -48,6 +48,25 @@ impl TokenBucket {
     }
 }
 
+impl TokenBucket {
+    /// Takes one token at `now` if one is there; otherwise takes nothing and says how long
+    /// until one will be (for callers that refuse rather than queue).
+    pub fn try_take(&mut self, now: Instant) -> Result<(), Duration> {
+        if self.qps <= 0.0 {
+            return Ok(());
+        }
+        let elapsed = now.saturating_duration_since(self.last).as_secs_f64();
+        self.last = now;
+        self.tokens = (self.tokens + elapsed * self.qps).min(self.burst);
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            Ok(())
+        } else {
+            Err(Duration::from_secs_f64((1.0 - self.tokens) / self.qps))
+        }
+    }
+}
+
 /// A tower layer delaying requests to keep within the bucket.
 #[derive(Clone, Debug)]
 pub struct RateLimitLayer {
@@ -167,5 +186,21 @@ mod tests {
         for _ in 0..100 {
             assert_eq!(unlimited.take(t0), Duration::ZERO);
         }
+    }
+
+    #[test]
+    fn try_take_refuses_without_queueing() {
+        let t0 = Instant::now();
+        let mut b = TokenBucket::new(2.0, 2, t0);
+        assert_eq!(b.try_take(t0), Ok(()));
+        assert_eq!(b.try_take(t0), Ok(()));
+        assert_eq!(b.try_take(t0), Err(Duration::from_millis(500)));
+        assert_eq!(
+            b.try_take(t0),
+            Err(Duration::from_millis(500)),
+            "a refusal takes nothing"
+        );
+        assert_eq!(b.try_take(t0 + Duration::from_millis(500)), Ok(()));
+        assert!(b.try_take(t0 + Duration::from_millis(600)).is_err());
     }
 }

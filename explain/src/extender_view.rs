@@ -56,28 +56,54 @@ pub async fn ask(
     }
 }
 
-/// `GET <url>/explain?<query>` over plain HTTP.
+/// `GET <url>/explain?<query>` over plain HTTP, asking again while the extender answers 429
+/// (its budget of apiserver reads is spent; the caller's timeout bounds the waits).
 async fn direct(url: &str, query: &str) -> Result<String, String> {
-    let uri: http::Uri = format!("{}/explain?{query}", url.trim_end_matches('/'))
-        .parse()
-        .map_err(|e| format!("--extender {url:?}: {e}"))?;
+    loop {
+        match direct_answer(url, query).await {
+            Err(Busy(wait)) => tokio::time::sleep(wait).await,
+            Ok(answer) => return answer,
+        }
+    }
+}
+
+/// The extender's budget for `/explain` is spent: ask again after this.
+struct Busy(std::time::Duration);
+
+/// How long a 429's `Retry-After` asks to wait (1 s when absent; at most 5 s).
+fn retry_after(headers: &http::HeaderMap) -> std::time::Duration {
+    let secs = headers
+        .get(http::header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .unwrap_or(1);
+    std::time::Duration::from_secs(secs.clamp(1, 5))
+}
+
+/// One `GET <url>/explain?<query>`: the answer or why there is none, or [`Busy`].
+async fn direct_answer(url: &str, query: &str) -> Result<Result<String, String>, Busy> {
+    let uri: http::Uri = match format!("{}/explain?{query}", url.trim_end_matches('/')).parse() {
+        Ok(uri) => uri,
+        Err(e) => return Ok(Err(format!("--extender {url:?}: {e}"))),
+    };
     let client = HttpClient::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
-    let response = client
-        .get(uri.clone())
-        .await
-        .map_err(|e| format!("GET {uri}: {e}"))?;
+    let response = match client.get(uri.clone()).await {
+        Ok(response) => response,
+        Err(e) => return Ok(Err(format!("GET {uri}: {e}"))),
+    };
     let status = response.status();
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .map_err(|e| format!("GET {uri}: {e}"))?
-        .to_bytes();
+    if status == http::StatusCode::TOO_MANY_REQUESTS {
+        return Err(Busy(retry_after(response.headers())));
+    }
+    let body = match response.into_body().collect().await {
+        Ok(body) => body.to_bytes(),
+        Err(e) => return Ok(Err(format!("GET {uri}: {e}"))),
+    };
     let text = String::from_utf8_lossy(&body).into_owned();
     if status.is_success() {
-        Ok(text)
+        Ok(Ok(text))
     } else {
-        Err(format!("GET {uri}: {status}: {}", text.trim()))
+        Ok(Err(format!("GET {uri}: {status}: {}", text.trim())))
     }
 }
 
@@ -114,9 +140,14 @@ async fn proxied(client: &Client, namespace: &str, query: &str) -> Result<Option
     let request = http::Request::get(&path)
         .body(Vec::new())
         .map_err(|e| format!("{path}: {e}"))?;
-    client
-        .request_text(request)
-        .await
-        .map(Some)
-        .map_err(|e| format!("GET {path}: {e}"))
+    loop {
+        match client.request_text(request.clone()).await {
+            Ok(text) => return Ok(Some(text)),
+            // The extender's budget is spent (the apiserver passes its 429 on).
+            Err(kube::Error::Api(e)) if e.code == 429 => {
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            }
+            Err(e) => return Err(format!("GET {path}: {e}")),
+        }
+    }
 }

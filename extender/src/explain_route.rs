@@ -3,18 +3,26 @@
 //! for `pmem-csi explain`. Read-only: it reserves, ends and journals nothing. It is on the
 //! admin port because the extender's own port is loopback-only, and `explain` reaches an
 //! extender through the apiserver's pod proxy.
+//!
+//! Each ask lists a pod from the apiserver on the extender's only client, whose watches feed
+//! scheduling: the route has a budget of its own ([`ExplainBudget`]: two at once, two a second
+//! with a burst of ten) and answers 429 with `Retry-After` when it is spent, instead of queueing
+//! behind the watches or delaying them.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::extract::{Query, State};
-use axum::http::StatusCode;
+use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
+use controllers::rate_limit::TokenBucket;
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::ListParams;
+use tokio::sync::Semaphore;
 
 use crate::json_response::json;
 use crate::pod_view::PodView;
@@ -32,6 +40,46 @@ pub struct ExplainSource {
     pub client: kube::Client,
     /// The extender's view of a pod.
     pub view: ViewOf,
+    /// How many asks may read the apiserver, at once and per second.
+    pub budget: Arc<ExplainBudget>,
+}
+
+/// The route's own budget of apiserver reads: a few asks at once and a few a second.
+#[derive(Debug)]
+pub struct ExplainBudget {
+    in_flight: Arc<Semaphore>,
+    rate: Mutex<TokenBucket>,
+}
+
+impl ExplainBudget {
+    /// `at_once` asks in flight, `per_second` a second with a burst of `burst`.
+    pub fn new(at_once: usize, per_second: f64, burst: u32) -> Self {
+        Self {
+            in_flight: Arc::new(Semaphore::new(at_once)),
+            rate: Mutex::new(TokenBucket::new(per_second, burst, Instant::now())),
+        }
+    }
+
+    /// The shipped budget: two at once, two a second, bursts of ten (an operator's `explain`
+    /// asks once; a dashboard polling every few seconds fits).
+    pub fn shipped() -> Self {
+        Self::new(2, 2.0, 10)
+    }
+
+    /// A place for one ask, or how long to wait for one.
+    fn admit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, ExplainRouteError> {
+        let permit = Arc::clone(&self.in_flight)
+            .try_acquire_owned()
+            .map_err(|_| ExplainRouteError::Busy {
+                retry_after: Duration::from_secs(1),
+            })?;
+        self.rate
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .try_take(Instant::now())
+            .map_err(|wait| ExplainRouteError::Busy { retry_after: wait })?;
+        Ok(permit)
+    }
 }
 
 /// Why `/explain` gives no view. Each maps to one status in [`ExplainRouteError::status`].
@@ -72,6 +120,20 @@ pub enum ExplainRouteError {
     /// The watches have not listed yet: a view now would be a guess.
     #[error("the extender's caches have not synced yet; ask again shortly")]
     NotSynced,
+    /// The route's budget of apiserver reads is spent.
+    #[error(
+        "too many asks: /explain answers two at once and two a second; retry after {}s",
+        retry_after_secs(*retry_after)
+    )]
+    Busy {
+        /// How long until the budget has room.
+        retry_after: Duration,
+    },
+}
+
+/// Whole seconds to put in `Retry-After` (at least 1).
+fn retry_after_secs(wait: Duration) -> u64 {
+    wait.as_secs_f64().ceil().max(1.0) as u64
 }
 
 impl ExplainRouteError {
@@ -82,13 +144,21 @@ impl ExplainRouteError {
             Self::NotFound { .. } => StatusCode::NOT_FOUND,
             Self::Apiserver { .. } => StatusCode::BAD_GATEWAY,
             Self::NotSynced => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Busy { .. } => StatusCode::TOO_MANY_REQUESTS,
         }
     }
 }
 
 impl IntoResponse for ExplainRouteError {
     fn into_response(self) -> Response {
-        (self.status(), format!("{self}\n")).into_response()
+        let mut response = (self.status(), format!("{self}\n")).into_response();
+        if let Self::Busy { retry_after } = self {
+            response.headers_mut().insert(
+                header::RETRY_AFTER,
+                header::HeaderValue::from(retry_after_secs(retry_after)),
+            );
+        }
+        response
     }
 }
 
@@ -140,6 +210,7 @@ async fn view(
     query: &BTreeMap<String, String>,
 ) -> Result<PodView, ExplainRouteError> {
     let (namespace, pod) = parameters(query)?;
+    let _permit = source.budget.admit()?;
     // A list by name needs only the `list` the extender's watch already has, not `get`.
     let listed = Api::<Pod>::namespaced(source.client.clone(), &namespace)
         .list(&ListParams::default().fields(&format!("metadata.name={pod}")))
@@ -164,6 +235,31 @@ mod tests {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect()
+    }
+
+    #[tokio::test]
+    async fn the_budget_answers_429_when_spent() {
+        let budget = ExplainBudget::new(1, 1.0, 1);
+        let held = budget.admit().expect("the first ask");
+        let busy = budget.admit().expect_err("one at once");
+        assert!(matches!(busy, ExplainRouteError::Busy { .. }), "{busy:?}");
+        drop(held);
+        let busy = budget.admit().expect_err("one a second");
+        let ExplainRouteError::Busy { retry_after } = busy else {
+            panic!("{busy:?}");
+        };
+        assert!(retry_after > Duration::ZERO && retry_after <= Duration::from_secs(1));
+        let response = ExplainRouteError::Busy { retry_after }.into_response();
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(
+            response
+                .headers()
+                .get(header::RETRY_AFTER)
+                .map(|v| v.as_bytes()),
+            Some(&b"1"[..])
+        );
+        assert_eq!(retry_after_secs(Duration::from_millis(1500)), 2);
+        assert_eq!(retry_after_secs(Duration::ZERO), 1);
     }
 
     #[test]

@@ -375,6 +375,7 @@ impl Shared {
         let synced = Arc::clone(&self.synced);
         let placement = self.config.placement;
         crate::explain_route::ExplainSource {
+            budget: Arc::new(crate::explain_route::ExplainBudget::shipped()),
             client: self.client.clone(),
             view: Arc::new(move |pod: &Pod| {
                 if !synced.load(std::sync::atomic::Ordering::Acquire) {

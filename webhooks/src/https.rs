@@ -1,5 +1,5 @@
-//! The HTTP server under the webhook (HTTPS) and the scheduler extender (plain HTTP on
-//! 127.0.0.1): an accept loop around hyper's HTTP/1 connection driver with handshake, header
+//! The HTTP server under the webhook (HTTPS), the scheduler extender (plain HTTP on
+//! 127.0.0.1) and every process's admin port (plain HTTP): an accept loop around hyper's HTTP/1 connection driver with handshake, header
 //! and request deadlines, caps on connections (in all and per peer address) and on requests in
 //! flight, and a graceful shutdown that lets in-flight requests finish.
 //!
@@ -148,6 +148,46 @@ impl ServeOptions {
     }
 }
 
+impl ServeOptions {
+    /// The admin servers' (`/healthz`, `/readyz`, `/metrics`, the extender's `/explain`) of
+    /// every process: reachable by anything on the node network (the extender's and, with host
+    /// networking, the node driver's on the host's address), whose only legitimate clients are
+    /// kubelet's probes, a Prometheus or two and an operator's `explain`. A few thousand slow
+    /// clients must not take the file descriptors the CSI socket and state files need, nor
+    /// stall the extender's scheduling: headers within 5 s, a whole request within 30 s (an
+    /// `/explain` reads the apiserver), 128 connections, 32 per peer, bodies of 64 KiB.
+    pub fn admin() -> Self {
+        Self {
+            handshake_timeout: Duration::from_secs(5),
+            header_read_timeout: Duration::from_secs(5),
+            request_timeout: Some(Duration::from_secs(30)),
+            max_connections: 128,
+            max_connections_per_peer: 32,
+            max_requests_in_flight: 64,
+            max_body_bytes_in_flight: 4 << 20,
+            max_body_bytes: 64 << 10,
+            ..Self::default()
+        }
+    }
+}
+
+/// Serves `admin`'s routes over plain HTTP with `options` (production: [`ServeOptions::admin`])
+/// until `shutdown`: the one way every pmem-csi process serves its admin port.
+pub async fn serve_admin(
+    admin: controllers::AdminServer,
+    options: ServeOptions,
+    shutdown: CancellationToken,
+) -> Result<(), HttpsError> {
+    let (listener, router) = admin.into_parts();
+    let address = listener.local_addr().ok();
+    tracing::info!(?address, "admin server listening");
+    HttpsServer::from_listener(listener)?
+        .with_options(options)
+        .serve_plain(router, shutdown)
+        .await;
+    Ok(())
+}
+
 /// What requests in flight may take together: a count and body bytes.
 #[derive(Debug)]
 struct RequestBudget {
@@ -242,6 +282,19 @@ impl HttpsServer {
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|source| HttpsError::Bind { addr, source })?;
+        let local_addr = listener
+            .local_addr()
+            .map_err(|source| HttpsError::LocalAddr { addr, source })?;
+        Ok(Self {
+            listener,
+            local_addr,
+            options: ServeOptions::default(),
+        })
+    }
+
+    /// Serves on a listener bound elsewhere.
+    pub fn from_listener(listener: TcpListener) -> Result<Self, HttpsError> {
+        let addr = SocketAddr::from(([0, 0, 0, 0], 0));
         let local_addr = listener
             .local_addr()
             .map_err(|source| HttpsError::LocalAddr { addr, source })?;

@@ -526,3 +526,73 @@ async fn requests_without_a_body_take_one_unit_of_the_body_budget() {
     }
     server.shutdown.cancel();
 }
+
+/// The admin port every process serves (`/healthz`, `/readyz`, `/metrics`) as `pmem-csi`'s main
+/// serves it (`serve_admin` with `ServeOptions::admin()`, the header deadline shortened): a
+/// client that never finishes its headers is closed after the deadline, connections of one peer
+/// over its cap are closed at once, and another peer still scrapes `/metrics`. A plain
+/// `axum::serve`, which served the admin ports before, kept 1,500 such connections open for
+/// good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_port_closes_slow_and_excess_clients() {
+    let shipped = ServeOptions::admin();
+    let per_peer = shipped.max_connections_per_peer;
+    assert!(
+        shipped.max_connections <= 128 && per_peer <= 32,
+        "{shipped:?}"
+    );
+    assert!(shipped.header_read_timeout <= Duration::from_secs(5));
+    let options = ServeOptions {
+        header_read_timeout: Duration::from_millis(500),
+        ..shipped
+    };
+    let admin = controllers::AdminServer::bind(
+        "127.0.0.1:0".parse().expect("addr"),
+        prometheus_client::registry::Registry::default(),
+        controllers::Readiness::default(),
+    )
+    .await
+    .expect("bind");
+    let addr = admin.local_addr();
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let task = tokio::spawn(webhooks::https::serve_admin(
+        admin,
+        options,
+        shutdown.clone(),
+    ));
+
+    let mut slow = Vec::new();
+    for _ in 0..per_peer + 10 {
+        let mut stream = connect_from(4, addr).await.expect("connect");
+        // Half a request line, never finished.
+        let _ = stream.write_all(b"GET /metr").await;
+        slow.push(stream);
+    }
+    let (admitted, over) = slow.split_at_mut(per_peer);
+    for stream in over.iter_mut() {
+        assert!(
+            tokio::time::timeout(Duration::from_secs(5), closed_by_server(stream))
+                .await
+                .unwrap_or(false),
+            "a connection over the peer cap stays open"
+        );
+    }
+    let scraped = raw(
+        connect_from(5, addr),
+        b"GET /metrics HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert_eq!(scraped.map(|r| r.0), Ok(200), "another peer scrapes");
+    let started = Instant::now();
+    for stream in admitted.iter_mut() {
+        assert!(
+            tokio::time::timeout(WAIT, closed_by_server(stream))
+                .await
+                .unwrap_or(false),
+            "a connection without headers stays open past the deadline"
+        );
+    }
+    assert!(started.elapsed() < WAIT);
+    shutdown.cancel();
+    task.await.expect("join").expect("served");
+}
