@@ -282,19 +282,16 @@ impl HttpsServer {
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|source| HttpsError::Bind { addr, source })?;
-        let local_addr = listener
-            .local_addr()
-            .map_err(|source| HttpsError::LocalAddr { addr, source })?;
-        Ok(Self {
-            listener,
-            local_addr,
-            options: ServeOptions::default(),
-        })
+        Self::on(listener, addr)
     }
 
     /// Serves on a listener bound elsewhere.
     pub fn from_listener(listener: TcpListener) -> Result<Self, HttpsError> {
-        let addr = SocketAddr::from(([0, 0, 0, 0], 0));
+        Self::on(listener, SocketAddr::from(([0, 0, 0, 0], 0)))
+    }
+
+    /// Serves on `listener`, bound when asked for `addr` (for errors).
+    fn on(listener: TcpListener, addr: SocketAddr) -> Result<Self, HttpsError> {
         let local_addr = listener
             .local_addr()
             .map_err(|source| HttpsError::LocalAddr { addr, source })?;
