@@ -22,7 +22,9 @@ use crate::concern::{Concern, ConcernError, Elector};
 use crate::flags::{ClientBudget, FlagError, KubeApiArgs, LivenessArgs, duration};
 use crate::leader::LeaderMetrics;
 use crate::liveness_view::{LivenessSettings, LivenessView};
-use crate::node_loss::{NodeLossMetrics, NodeLossRecovery, NodeLossSettings};
+use crate::node_loss::{
+    DEFAULT_MAX_NODES_PER_HOUR, NodeLossMetrics, NodeLossRecovery, NodeLossSettings,
+};
 use crate::node_summary::NodeSummary;
 use crate::readiness::{Readiness, ReadyFlag};
 use crate::reconcile_metrics::ReconcileMetrics;
@@ -75,6 +77,19 @@ pub struct ControllerArgs {
     /// With --node-loss-grace: only report (Events, logs, metrics) what the recovery would do.
     #[arg(long)]
     pub node_loss_dry_run: bool,
+
+    /// With --node-loss-grace: recover at most this many nodes in any hour (a node counts from
+    /// the recovery's first deletion on it); claims of further lost nodes wait, reported
+    /// [default: 2].
+    #[arg(long)]
+    pub node_loss_max_nodes_per_hour: Option<u32>,
+
+    /// With --node-loss-grace, DANGEROUS: also recover nodes whose driver and kubelet went
+    /// silent without the node.kubernetes.io/out-of-service taint, i.e. without an operator
+    /// saying the node is fenced. A node cut off by a network partition may still run the pods
+    /// whose claims are deleted, and write to their other volumes once those attach elsewhere.
+    #[arg(long)]
+    pub node_loss_unfenced: bool,
 
     #[command(flatten)]
     #[allow(missing_docs)]
@@ -161,11 +176,27 @@ impl ControllerArgs {
             None
         };
         let node_loss = match (self.node_loss_grace, self.node_loss_dry_run) {
-            (None, false) => None,
-            (None, true) => {
+            (None, dry_run) => {
+                let without_grace = [
+                    ("node-loss-dry-run", dry_run),
+                    (
+                        "node-loss-max-nodes-per-hour",
+                        self.node_loss_max_nodes_per_hour.is_some(),
+                    ),
+                    ("node-loss-unfenced", self.node_loss_unfenced),
+                ];
+                if let Some((flag, _)) = without_grace.iter().find(|(_, given)| *given) {
+                    return Err(FlagError::new(
+                        flag,
+                        "needs --node-loss-grace (the recovery it configures)",
+                    ));
+                }
+                None
+            }
+            (Some(_), _) if self.node_loss_max_nodes_per_hour == Some(0) => {
                 return Err(FlagError::new(
-                    "node-loss-dry-run",
-                    "needs --node-loss-grace (the recovery it reports on)",
+                    "node-loss-max-nodes-per-hour",
+                    "must be at least 1 (leave --node-loss-grace unset to turn the recovery off)",
                 ));
             }
             // Recovery acts on what the rescheduler already gave up on: never before it.
@@ -175,7 +206,14 @@ impl ControllerArgs {
                     "must not be shorter than --reschedule-grace",
                 ));
             }
-            (Some(grace), dry_run) => Some(NodeLossSettings { grace, dry_run }),
+            (Some(grace), dry_run) => Some(NodeLossSettings {
+                grace,
+                dry_run,
+                max_nodes_per_hour: self
+                    .node_loss_max_nodes_per_hour
+                    .unwrap_or(DEFAULT_MAX_NODES_PER_HOUR),
+                unfenced: self.node_loss_unfenced,
+            }),
         };
         Ok(ControllerConfig {
             liveness,
@@ -498,9 +536,44 @@ mod tests {
 
     #[test]
     fn validate_table() {
-        let cases: [(&str, &[&str], Option<&str>); 7] = [
+        let cases: [(&str, &[&str], Option<&str>); 12] = [
             ("valid", &[], None),
             ("node-loss recovery", &["--node-loss-grace", "1h"], None),
+            (
+                "node budget alone",
+                &["--node-loss-max-nodes-per-hour", "3"],
+                Some("node-loss-max-nodes-per-hour"),
+            ),
+            (
+                "unfenced alone",
+                &["--node-loss-unfenced"],
+                Some("node-loss-unfenced"),
+            ),
+            (
+                "a zero node budget",
+                &[
+                    "--node-loss-grace",
+                    "1h",
+                    "--node-loss-max-nodes-per-hour",
+                    "0",
+                ],
+                Some("node-loss-max-nodes-per-hour"),
+            ),
+            (
+                "a node budget",
+                &[
+                    "--node-loss-grace",
+                    "1h",
+                    "--node-loss-max-nodes-per-hour",
+                    "5",
+                ],
+                None,
+            ),
+            (
+                "unfenced",
+                &["--node-loss-grace", "1h", "--node-loss-unfenced"],
+                None,
+            ),
             (
                 "dry run alone",
                 &["--node-loss-dry-run"],
@@ -530,6 +603,16 @@ mod tests {
                 (got, want) => panic!("{name}: got {got:?}, want error on {want:?}"),
             }
         }
+        let recovery = args(&["--node-loss-grace", "1h"])
+            .validate()
+            .expect("valid")
+            .node_loss
+            .expect("recovery on");
+        assert_eq!(
+            (recovery.max_nodes_per_hour, recovery.unfenced),
+            (DEFAULT_MAX_NODES_PER_HOUR, false),
+            "the safe defaults"
+        );
         let config = args(&["--leader-election"]).validate().expect("valid");
         assert_eq!(config.liveness.grace, Duration::from_secs(30));
         assert_eq!(

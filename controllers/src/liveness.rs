@@ -2,6 +2,7 @@
 //! only ground on which the rescheduler and the capacity clean-up may act and the extender may
 //! reject a node. A pure function of what the stores show, plus how long they have shown it.
 
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 /// What the CSINode object of a node says about the driver.
@@ -127,6 +128,67 @@ pub fn lease_expired(renewed: Option<Instant>, duration: Duration, now: Instant)
     match renewed {
         Some(renewed) => now.saturating_duration_since(renewed) > duration,
         None => true,
+    }
+}
+
+/// When this process saw each node's heartbeat Lease change, on its own monotonic clock.
+///
+/// A Lease's `renewTime` is written by the node's wall clock: a node whose clock runs 90 s
+/// behind would look expired under a one-minute grace while it renews every few seconds. As
+/// client-go's leader election does, a renewal is dated by when it was *observed* to change,
+/// so only the controller's own clock measures its age; a Lease first seen is dated now (after a
+/// restart a silent node is judged one duration and grace later, never earlier).
+#[derive(Debug, Default)]
+pub struct RenewalClock {
+    seen: HashMap<String, (String, Instant)>,
+}
+
+impl RenewalClock {
+    /// The heartbeat of `node` at `now`, whose Lease's latest renewal reads `renewal` (`None`:
+    /// no Lease, or never renewed) and holds for `valid_for` (its duration plus the grace).
+    pub fn heartbeat(
+        &mut self,
+        node: &str,
+        renewal: Option<&str>,
+        valid_for: Duration,
+        now: Instant,
+    ) -> HeartbeatState {
+        let Some(renewal) = renewal else {
+            self.seen.remove(node);
+            return HeartbeatState::Expired;
+        };
+        let observed = match self.seen.get_mut(node) {
+            Some((seen, at)) if seen == renewal => *at,
+            Some(entry) => {
+                *entry = (renewal.to_string(), now);
+                now
+            }
+            None => {
+                self.seen
+                    .insert(node.to_string(), (renewal.to_string(), now));
+                now
+            }
+        };
+        if lease_expired(Some(observed), valid_for, now) {
+            HeartbeatState::Expired
+        } else {
+            HeartbeatState::Fresh
+        }
+    }
+
+    /// Forgets every node for which `keep` says no.
+    pub fn retain(&mut self, keep: impl Fn(&str) -> bool) {
+        self.seen.retain(|node, _| keep(node));
+    }
+
+    /// How many nodes it remembers.
+    pub fn len(&self) -> usize {
+        self.seen.len()
+    }
+
+    /// Whether it remembers none.
+    pub fn is_empty(&self) -> bool {
+        self.seen.is_empty()
     }
 }
 
@@ -261,5 +323,47 @@ mod tests {
             t0 + d + Duration::from_millis(1)
         ));
         assert!(lease_expired(None, d, t0));
+    }
+
+    #[test]
+    fn renewals_are_dated_when_observed_not_by_the_node_clock() {
+        let t0 = Instant::now();
+        let valid = Duration::from_secs(70);
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let mut clock = RenewalClock::default();
+        // A node 90 s behind writes renewTimes 90 s in the past; each change is fresh when seen.
+        let behind = "2026-12-07T12:00:00Z";
+        assert_eq!(clock.heartbeat("n", Some(behind), valid, at(0)), Fresh);
+        assert_eq!(clock.heartbeat("n", Some(behind), valid, at(70)), Fresh);
+        assert_eq!(
+            clock.heartbeat("n", Some("2026-12-07T12:00:10Z"), valid, at(71)),
+            Fresh,
+            "renewed: dated now"
+        );
+        // No change for longer than the Lease's duration plus the grace: expired.
+        assert_eq!(
+            clock.heartbeat("n", Some("2026-12-07T12:00:10Z"), valid, at(141)),
+            Fresh
+        );
+        assert_eq!(
+            clock.heartbeat("n", Some("2026-12-07T12:00:10Z"), valid, at(142)),
+            Expired
+        );
+        // A clock that goes backwards still renews: any change is a renewal.
+        assert_eq!(
+            clock.heartbeat("n", Some("2026-12-07T11:00:00Z"), valid, at(143)),
+            Fresh
+        );
+        // No Lease, or never renewed: expired at once, and forgotten.
+        assert_eq!(clock.heartbeat("n", None, valid, at(144)), Expired);
+        assert!(clock.is_empty());
+        // A Lease first seen long after its renewTime (a restarted controller) is dated now.
+        assert_eq!(
+            clock.heartbeat("m", Some("2020-01-01T00:00:00Z"), valid, at(200)),
+            Fresh
+        );
+        assert_eq!(clock.len(), 1);
+        clock.retain(|n| n != "m");
+        assert!(clock.is_empty());
     }
 }

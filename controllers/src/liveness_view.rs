@@ -12,7 +12,9 @@ use kube::Api;
 use kube::runtime::reflector::ObjectRef;
 use tokio_util::sync::CancellationToken;
 
-use crate::liveness::{self, CsiNodeState, HeartbeatState, Liveness, NodeObservation};
+use crate::liveness::{
+    self, CsiNodeState, HeartbeatState, Liveness, NodeObservation, RenewalClock,
+};
 use crate::node_selector::NodeSelector;
 use crate::node_summary::NodeSummary;
 use crate::stores::NodeStores;
@@ -73,6 +75,8 @@ pub struct LivenessView {
     asked: Arc<Mutex<HashMap<String, Instant>>>,
     /// The nodes the last background pass judged definitely driverless.
     driverless: Arc<Mutex<Arc<HashSet<String>>>>,
+    /// When each heartbeat was seen renewed, on this process's clock.
+    renewals: Arc<Mutex<RenewalClock>>,
 }
 
 impl LivenessView {
@@ -84,6 +88,7 @@ impl LivenessView {
             since: Arc::default(),
             asked: Arc::default(),
             driverless: Arc::default(),
+            renewals: Arc::default(),
         }
     }
 
@@ -102,12 +107,21 @@ impl LivenessView {
                     .within(&self.settings.namespace),
             )
         });
-        observation(
-            &self.settings,
-            n.as_deref(),
-            csinode.as_deref(),
-            lease.as_ref().map(|l| l.as_deref()),
-        )
+        let heartbeat = self.heartbeat(node, lease.as_ref().map(|l| l.as_deref()));
+        observation(&self.settings, n.as_deref(), csinode.as_deref(), heartbeat)
+    }
+
+    /// The heartbeat of `node` from its Lease (`None`: heartbeats not used; `Some(None)`: no
+    /// Lease), its renewals dated by this process's clock ([`RenewalClock`]).
+    pub fn heartbeat(&self, node: &str, lease: Option<Option<&Lease>>) -> HeartbeatState {
+        let (Some(lease), Some(grace)) = (lease, self.settings.heartbeat) else {
+            return HeartbeatState::NotUsed;
+        };
+        let (renewal, duration) = renewal_of(lease);
+        self.renewals
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .heartbeat(node, renewal.as_deref(), duration + grace, Instant::now())
     }
 
     /// The judgement of `node` now; remembers since when it has looked driverless.
@@ -166,6 +180,10 @@ impl LivenessView {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .retain(|node, _| nodes.contains(node));
+        self.renewals
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .retain(|node| nodes.contains(node));
         nodes
     }
 
@@ -233,16 +251,23 @@ impl LivenessView {
         client: &kube::Client,
         node: &str,
     ) -> Result<Option<liveness::DriverlessReason>, kube::Error> {
-        Ok(self.confirm_with_node(client, node).await?.0)
+        Ok(self.confirm_node(client, node).await?.0)
     }
 
-    /// [`LivenessView::confirm`], and the Node object it read (for callers that judge its
-    /// status too, without reading it again).
-    pub async fn confirm_with_node(
+    /// [`LivenessView::confirm`], the heartbeat it judged and the Node object it read (for
+    /// callers that judge its status too, without reading it again).
+    pub async fn confirm_node(
         &self,
         client: &kube::Client,
         node: &str,
-    ) -> Result<(Option<liveness::DriverlessReason>, Option<NodeSummary>), kube::Error> {
+    ) -> Result<
+        (
+            Option<liveness::DriverlessReason>,
+            HeartbeatState,
+            Option<NodeSummary>,
+        ),
+        kube::Error,
+    > {
         let n = Api::<NodeSummary>::all(client.clone())
             .get_opt(node)
             .await?;
@@ -255,22 +280,18 @@ impl LivenessView {
             ),
             None => None,
         };
-        let o = observation(
-            &self.settings,
-            n.as_ref(),
-            csinode.as_ref(),
-            lease.as_ref().map(Option::as_ref),
-        );
-        Ok((liveness::driverless_now(&o), n))
+        let heartbeat = self.heartbeat(node, lease.as_ref().map(Option::as_ref));
+        let o = observation(&self.settings, n.as_ref(), csinode.as_ref(), heartbeat);
+        Ok((liveness::driverless_now(&o), heartbeat, n))
     }
 }
 
-/// Builds the observation from objects (`lease`: `None` = heartbeats not used).
+/// Builds the observation from objects and the node's heartbeat.
 pub fn observation(
     settings: &LivenessSettings,
     node: Option<&NodeSummary>,
     csinode: Option<&CSINode>,
-    lease: Option<Option<&Lease>>,
+    heartbeat: HeartbeatState,
 ) -> NodeObservation {
     let csinode = match csinode {
         None => CsiNodeState::Missing,
@@ -279,39 +300,43 @@ pub fn observation(
         }
         Some(_) => CsiNodeState::WithoutDriver,
     };
-    let heartbeat = match (lease, settings.heartbeat) {
-        (None, _) | (_, None) => HeartbeatState::NotUsed,
-        (Some(lease), Some(grace)) => {
-            // The Lease's own duration plus the grace: the holder may renew late by design.
-            let renewed = lease
-                .and_then(|l| l.spec.as_ref())
-                .and_then(|s| s.renew_time.as_ref())
-                .map(|t| t.0);
-            let duration = lease
-                .and_then(|l| l.spec.as_ref())
-                .and_then(|s| s.lease_duration_seconds)
-                .map_or(Duration::ZERO, |s| {
-                    Duration::from_secs(u64::try_from(s).unwrap_or(0))
-                });
-            let expired = match renewed {
-                None => true,
-                Some(renewed) => {
-                    let age = age_of(renewed);
-                    age > duration + grace
-                }
-            };
-            if expired {
-                HeartbeatState::Expired
-            } else {
-                HeartbeatState::Fresh
-            }
-        }
-    };
     NodeObservation {
         node_exists: node.is_some(),
         labels_match: node.is_some_and(|n| settings.selector.matches(n.metadata.labels.as_ref())),
         csinode,
         heartbeat,
+    }
+}
+
+/// A Lease's latest renewal as written (`None`: no Lease, or never renewed) and how long it
+/// holds by its own duration.
+pub fn renewal_of(lease: Option<&Lease>) -> (Option<String>, Duration) {
+    let spec = lease.and_then(|l| l.spec.as_ref());
+    let renewal = spec
+        .and_then(|s| s.renew_time.as_ref())
+        .map(|t| t.0.to_string());
+    let duration = spec
+        .and_then(|s| s.lease_duration_seconds)
+        .map_or(Duration::ZERO, |s| {
+            Duration::from_secs(u64::try_from(s).unwrap_or(0))
+        });
+    (renewal, duration)
+}
+
+/// The heartbeat as one look at a Lease tells it, by the wall clock (`explain`, which sees one
+/// instant and says that it compares the node's clock with its own): expired when `renewTime`
+/// is older than the Lease's duration plus `grace`.
+pub fn heartbeat_by_wall_clock(lease: Option<&Lease>, grace: Duration) -> HeartbeatState {
+    let (_, duration) = renewal_of(lease);
+    let renewed = lease
+        .and_then(|l| l.spec.as_ref())
+        .and_then(|s| s.renew_time.as_ref())
+        .map(|t| t.0);
+    let expired = renewed.is_none_or(|renewed| age_of(renewed) > duration + grace);
+    if expired {
+        HeartbeatState::Expired
+    } else {
+        HeartbeatState::Fresh
     }
 }
 
@@ -345,6 +370,76 @@ mod tests {
         // "a" exists (however long ago it was asked about), "b" exists, "made-up" was asked
         // 50 s ago; nobody asked about "gone-long-ago" for 150 s and no Node has that name.
         assert_eq!(nodes, ["a", "b", "made-up"]);
+    }
+
+    /// A selected node with its CSINode entry and a heartbeat Lease renewed at `renewed`.
+    fn stores_with_lease(
+        renewed: k8s_openapi::jiff::Timestamp,
+    ) -> (NodeStores, kube::runtime::reflector::store::Writer<Lease>) {
+        use k8s_openapi::api::coordination::v1::LeaseSpec;
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+        use kube::runtime::{reflector, watcher};
+        let (nodes, mut node_writer) = reflector::store::<NodeSummary>();
+        let mut node = NodeSummary::default();
+        node.metadata.name = Some("n1".into());
+        node.metadata.labels = Some([("storage".to_string(), "pmem".to_string())].into());
+        node_writer.apply_watcher_event(&watcher::Event::Apply(node));
+        let (leases, mut lease_writer) = reflector::store::<Lease>();
+        let mut lease = Lease::default();
+        lease.metadata.name = Some(heartbeat_lease_name("pmem-csi.intel.com", "n1"));
+        lease.metadata.namespace = Some("pmem-csi".into());
+        lease.spec = Some(LeaseSpec {
+            renew_time: Some(MicroTime(renewed)),
+            lease_duration_seconds: Some(10),
+            ..LeaseSpec::default()
+        });
+        lease_writer.apply_watcher_event(&watcher::Event::Apply(lease));
+        let stores = NodeStores {
+            nodes,
+            csinodes: reflector::store().0,
+            leases,
+        };
+        (stores, lease_writer)
+    }
+
+    #[tokio::test]
+    async fn a_node_clock_behind_does_not_expire_its_heartbeat() {
+        let ninety_behind =
+            k8s_openapi::jiff::Timestamp::now() - k8s_openapi::jiff::SignedDuration::from_secs(90);
+        let (stores, _writer) = stores_with_lease(ninety_behind);
+        let view = LivenessView::new(
+            LivenessSettings {
+                driver: "pmem-csi.intel.com".into(),
+                selector: NodeSelector::parse("storage=pmem").expect("selector"),
+                grace: Duration::from_secs(30),
+                // The shipped grace: 90 s behind is more than the Lease's 10 s and the grace.
+                heartbeat: Some(Duration::from_secs(60)),
+                namespace: "pmem-csi".into(),
+            },
+            stores,
+        );
+        assert_eq!(
+            view.observe("n1").heartbeat,
+            HeartbeatState::Fresh,
+            "a renewal is dated when it is seen, not by the node's clock"
+        );
+        assert_eq!(view.judge("n1"), Liveness::MayRun);
+        // explain's one look by the wall clock says what it compares.
+        let lease = view
+            .stores
+            .leases
+            .state()
+            .first()
+            .cloned()
+            .expect("the Lease");
+        assert_eq!(
+            heartbeat_by_wall_clock(Some(&lease), Duration::from_secs(60)),
+            HeartbeatState::Expired
+        );
+        assert_eq!(
+            heartbeat_by_wall_clock(None, Duration::from_secs(60)),
+            HeartbeatState::Expired
+        );
     }
 
     #[tokio::test]

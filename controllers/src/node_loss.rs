@@ -5,15 +5,25 @@
 //! the workload's controller (a StatefulSet's, typically) recreates claim and pod. Claims that
 //! did not opt in are reported with an Event saying what an operator can do, never touched.
 //!
-//! A node is lost when its Node object is gone, or when its driver's heartbeat has expired
-//! *and* its kubelet stopped reporting (condition Ready is Unknown): a node whose kubelet still
-//! reports — Ready or not — may run pods that use their volumes, however long its driver
-//! crash-loops, and deleting a claim there would throw their data away. The grace counts from
-//! the moment this leader first saw the node lost *that way* (a [`LossClock`]: a Node deleted
-//! hours after its driver stopped is lost from its deletion on), never earlier than the
-//! liveness view and the kubelet's own transition say; a new leader starts it again. Every
-//! action is preceded by uncached reads that must agree, and nothing is deleted while more
-//! than half of the driver's nodes look lost (an apiserver or zone outage, not lost nodes).
+//! A node is lost when its Node object is gone (and, with heartbeats, its driver's heartbeat
+//! has expired too: a Node deleted while its driver still renews is being re-registered or was
+//! deleted by mistake), or when its driver's heartbeat has expired *and* its kubelet stopped
+//! reporting (condition Ready is Unknown): a node whose kubelet still reports — Ready or not —
+//! may run pods that use their volumes, however long its driver crash-loops, and deleting a
+//! claim there would throw their data away. A silent node may be partitioned rather than dead,
+//! still writing: it is acted on only once an operator has fenced it and says so with the
+//! `node.kubernetes.io/out-of-service` taint ([`Fence`]), unless `--node-loss-unfenced` waives
+//! that. The grace counts from the moment this leader first saw the node lost *that way* (a
+//! [`LossClock`]: a Node deleted hours after its driver stopped is lost from its deletion on),
+//! never earlier than the liveness view and the kubelet's own transition say; a new leader
+//! starts it again.
+//!
+//! Every action is preceded by uncached reads that must agree, and two brakes hold it back:
+//! nothing is deleted while more than half of the driver's nodes look lost — every node that
+//! matches the selector, and every deleted node that still holds a volume, judged by the same
+//! rule from the liveness view and confirmed by an uncached Node list ([`Headcount`]) — which
+//! is an apiserver, network or zone outage rather than lost nodes; and at most
+//! `--node-loss-max-nodes-per-hour` nodes are recovered in any hour ([`RecoveryBudget`]).
 //!
 //! The decision ([`decide`]) is a pure function of plain facts; the controller around it reads
 //! the caches, confirms, and writes.
@@ -23,6 +33,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{PersistentVolume, Pod};
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, Preconditions};
@@ -40,13 +51,13 @@ use tokio_util::sync::CancellationToken;
 
 use crate::claim_summary::ClaimSummary;
 use crate::instrument::Instrument;
-use crate::liveness::DriverlessReason;
-use crate::liveness_view::LivenessView;
+use crate::liveness::{DriverlessReason, HeartbeatState};
+use crate::liveness_view::{LivenessView, observation};
 use crate::node_summary::NodeSummary;
 use crate::reconcile_metrics::ReconcileMetrics;
 use crate::stores::{Stores, trim};
 use crate::volume_facts::pv_node;
-use crate::well_known::{PROVISIONER_FINALIZER, RECREATE_ON_NODE_LOSS};
+use crate::well_known::{PROVISIONER_FINALIZER, RECREATE_ON_NODE_LOSS, heartbeat_lease_name};
 
 /// The controller's name in metrics and logs.
 pub const CONTROLLER: &str = "node-loss-recovery";
@@ -92,13 +103,17 @@ pub enum Kubelet {
 }
 
 /// Whether and for how long a node has been lost, from its liveness (why and for how long the
-/// driver has looked absent) and its kubelet.
+/// driver has looked absent), its driver's heartbeat and its kubelet.
 pub fn lost_for(
     driverless: Option<(DriverlessReason, Duration)>,
+    heartbeat: HeartbeatState,
     kubelet: Kubelet,
 ) -> Option<(Loss, Duration)> {
     let (reason, driverless_for) = driverless?;
     match (reason, kubelet) {
+        // A deleted Node whose driver still renews its heartbeat: its kubelet re-registers it,
+        // or it was deleted by mistake while its pods and volumes still serve.
+        (_, Kubelet::NodeGone) if heartbeat == HeartbeatState::Fresh => None,
         (DriverlessReason::NodeMissing | DriverlessReason::HeartbeatExpired, Kubelet::NodeGone) => {
             Some((Loss::NodeDeleted, driverless_for))
         }
@@ -125,6 +140,30 @@ pub fn kubelet_of(node: Option<&NodeSummary>, now: k8s_openapi::jiff::Timestamp)
                 .and_then(|t| now.duration_since(t.0).try_into().ok()),
         },
         _ => Kubelet::Reporting,
+    }
+}
+
+/// Whether a silent node may be acted on: a kubelet that stopped reporting may belong to a node
+/// that is cut off, not dead, whose pods still write; force-deleting them frees their other
+/// volumes to attach elsewhere while it does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fence {
+    /// The Node carries the `node.kubernetes.io/out-of-service` taint: an operator fenced it.
+    Tainted,
+    /// No taint: a silent node waits for one.
+    Absent,
+    /// `--node-loss-unfenced`: silent nodes are acted on without the taint (dangerous).
+    Waived,
+}
+
+impl Fence {
+    /// The fence of `node` (`None`: no Node object), `waived` by `--node-loss-unfenced`.
+    pub fn of(node: Option<&NodeSummary>, waived: bool) -> Self {
+        match node {
+            Some(n) if n.out_of_service => Fence::Tainted,
+            _ if waived => Fence::Waived,
+            _ => Fence::Absent,
+        }
     }
 }
 
@@ -156,22 +195,77 @@ impl LossClock {
         Some((loss, lost_for.min(now.saturating_duration_since(entry.1))))
     }
 
-    /// How many nodes look lost, and how many of them are deleted.
-    pub fn lost(&self) -> (usize, usize) {
-        let deleted = self
-            .since
-            .values()
-            .filter(|(loss, _)| *loss == Loss::NodeDeleted)
-            .count();
-        (self.since.len(), deleted)
+    /// Forgets every node for which `keep` says no (nodes that no volume names any more).
+    pub fn retain(&mut self, keep: impl Fn(&str) -> bool) {
+        self.since.retain(|node, _| keep(node));
+    }
+
+    /// How many nodes it remembers.
+    pub fn len(&self) -> usize {
+        self.since.len()
+    }
+
+    /// Whether it remembers none.
+    pub fn is_empty(&self) -> bool {
+        self.since.is_empty()
     }
 }
 
-/// Whether recovery must hold back: more than half of the driver's nodes look lost at once
-/// (`lost` of `selected` nodes that exist and match the selector, plus `deleted` ones that are
-/// gone). That is an apiserver, network or zone outage, not nodes lost for good.
-pub fn too_many_lost(lost: usize, deleted: usize, selected: usize) -> bool {
-    lost * 2 > selected + deleted
+/// The outage guard's count: the driver's nodes, and how many of them look lost now (by
+/// [`lost_for`]'s rule, however briefly: the guard is about how many, not how long).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Headcount {
+    /// Every node that matches the selector, and every deleted node that still holds a volume.
+    pub nodes: usize,
+    /// Those of them that look lost.
+    pub lost: usize,
+}
+
+impl Headcount {
+    /// Counts one node of the driver.
+    pub fn add(&mut self, lost: bool) {
+        self.nodes += 1;
+        self.lost += usize::from(lost);
+    }
+
+    /// Whether recovery must hold back: more than half of the driver's nodes look lost at
+    /// once. That is an apiserver, network or zone outage, not nodes lost for good.
+    pub fn too_many_lost(&self) -> bool {
+        self.lost * 2 > self.nodes
+    }
+}
+
+/// Whether a node counts towards the [`Headcount`]: a Node that exists and matches the
+/// selector, or a node without a Node object that a volume of the driver still names.
+pub fn counted(exists: bool, selected: bool, holds_volumes: bool) -> bool {
+    if exists { selected } else { holds_volumes }
+}
+
+/// The nodes recovered in the last hour (`--node-loss-max-nodes-per-hour`): an absolute brake
+/// beside the [`Headcount`], for losses that come one after another rather than at once.
+#[derive(Debug, Default)]
+pub struct RecoveryBudget {
+    started: HashMap<String, Instant>,
+}
+
+/// The window of [`RecoveryBudget`].
+pub const BUDGET_WINDOW: Duration = Duration::from_secs(3600);
+
+impl RecoveryBudget {
+    /// Whether recovery may act on `node` at `now` with at most `per_hour` nodes in any hour;
+    /// records it when it may. A node begun within the hour goes on (its other volumes).
+    pub fn admit(&mut self, node: &str, now: Instant, per_hour: u32) -> bool {
+        self.started
+            .retain(|_, at| now.saturating_duration_since(*at) < BUDGET_WINDOW);
+        if self.started.contains_key(node) {
+            return true;
+        }
+        if self.started.len() >= usize::try_from(per_hour).unwrap_or(usize::MAX) {
+            return false;
+        }
+        self.started.insert(node.to_string(), now);
+        true
+    }
 }
 
 /// Where a claim's opt-in comes from.
@@ -266,6 +360,9 @@ pub enum Verdict {
         /// How the node is lost.
         loss: Loss,
     },
+    /// The node is silent and something would be deleted, but it is not fenced (no
+    /// out-of-service taint): report what the operator can do, touch nothing.
+    AwaitFence,
     /// The node is lost and the claim opted in: delete the claim and the lost node's pods
     /// using it, then the volume.
     Recover {
@@ -291,8 +388,28 @@ pub enum Verdict {
 }
 
 /// Decides about the PV of `volume` whose claim is in state `claim`, its node lost as
-/// `lost` says ([`lost_for`]), with recovery after `grace`.
+/// `lost` says ([`lost_for`]) and fenced as `fence` says, with recovery after `grace`.
 pub fn decide(
+    volume: &VolumeFacts,
+    claim: ClaimState,
+    lost: Option<(Loss, Duration)>,
+    fence: Fence,
+    grace: Duration,
+) -> Verdict {
+    let verdict = decide_unfenced(volume, claim, lost, grace);
+    match verdict {
+        Verdict::Recover {
+            loss: Loss::Silent, ..
+        }
+        | Verdict::Release {
+            loss: Loss::Silent, ..
+        } if fence == Fence::Absent => Verdict::AwaitFence,
+        verdict => verdict,
+    }
+}
+
+/// [`decide`] as if every silent node were fenced.
+fn decide_unfenced(
     volume: &VolumeFacts,
     claim: ClaimState,
     lost: Option<(Loss, Duration)>,
@@ -360,19 +477,29 @@ pub fn check_every(grace: Duration) -> Duration {
 // The controller around the decision.
 // ---------------------------------------------------------------------------------------------
 
-/// `--node-loss-grace` and `--node-loss-dry-run`, validated.
+/// The recovery's flags, validated.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct NodeLossSettings {
-    /// How long a node must be lost before its opted-in claims are recovered.
+    /// How long a node must be lost before its opted-in claims are recovered
+    /// (`--node-loss-grace`).
     pub grace: Duration,
-    /// Only report what would be done.
+    /// Only report what would be done (`--node-loss-dry-run`).
     pub dry_run: bool,
+    /// At most this many nodes recovered in any hour (`--node-loss-max-nodes-per-hour`).
+    pub max_nodes_per_hour: u32,
+    /// Act on silent nodes without the out-of-service taint (`--node-loss-unfenced`).
+    pub unfenced: bool,
 }
+
+/// The default of `--node-loss-max-nodes-per-hour`.
+pub const DEFAULT_MAX_NODES_PER_HOUR: u32 = 2;
 
 /// What the recovery did, by action
 /// (`pmem_csi_node_loss_actions_total{action}`): `reported` (a claim that did not opt in),
 /// `dry-run` (what would have been done), `refused` (more than half of the nodes look lost),
-/// `claim-deleted`, `pod-deleted`, `volume-deleted`, `finalizer-removed`.
+/// `capped` (the hourly node budget is spent), `awaiting-fence` (a silent node without the
+/// out-of-service taint), `claim-deleted`, `pod-deleted`, `volume-deleted`,
+/// `finalizer-removed`.
 #[derive(Clone, Debug)]
 pub struct NodeLossMetrics {
     actions: Family<ActionLabels, Counter>,
@@ -384,10 +511,12 @@ struct ActionLabels {
 }
 
 /// Every action label, so that dashboards see each series at zero.
-const ACTIONS: [&str; 7] = [
+const ACTIONS: [&str; 9] = [
     "reported",
     "dry-run",
     "refused",
+    "capped",
+    "awaiting-fence",
     "claim-deleted",
     "pod-deleted",
     "volume-deleted",
@@ -432,25 +561,53 @@ pub struct NodeLossError {
 struct Context {
     client: kube::Client,
     stores: Stores,
+    /// This term's PVs (the recovery's own watch).
+    volumes: reflector::Store<PersistentVolume>,
     liveness: LivenessView,
     settings: NodeLossSettings,
     recorder: Recorder,
     metrics: NodeLossMetrics,
     instrument: Instrument<PersistentVolume>,
-    /// What was already reported this term, one Event each: `<kind>/<claim uid or volume>`.
-    reported: Mutex<HashSet<String>>,
+    /// What was already reported this term, one Event each: `<kind>/<claim uid or volume>`,
+    /// with the PV it was about (forgotten when that PV is gone).
+    reported: Mutex<HashMap<String, String>>,
     /// Since when each node has looked lost, and how.
     clock: Mutex<LossClock>,
     /// Uncached confirmations per node, reused for a few seconds: a lost node with many
     /// volumes is read once, not once per volume.
     confirmed: Mutex<HashMap<String, Confirmation>>,
+    /// The latest uncached [`Headcount`], reused for a few seconds like a confirmation.
+    headcount: Mutex<Option<(Instant, Headcount)>>,
+    /// The nodes recovered in the last hour.
+    budget: Mutex<RecoveryBudget>,
+    /// When `reported` and `clock` were last pruned.
+    pruned: Mutex<Option<Instant>>,
 }
 
-/// An uncached confirmation of a node: when, why it is driverless (if it is), its kubelet.
-type Confirmation = (Instant, Option<DriverlessReason>, Kubelet);
+/// An uncached confirmation of a node: when, why it is driverless (if it is), its heartbeat,
+/// its kubelet and its fence.
+type Confirmation = (Instant, NodeLook);
+
+/// What is known of one node at one instant.
+#[derive(Clone, Copy, Debug)]
+struct NodeLook {
+    reason: Option<DriverlessReason>,
+    heartbeat: HeartbeatState,
+    kubelet: Kubelet,
+    fence: Fence,
+}
 
 /// How long an uncached confirmation of a node is reused.
 const CONFIRMATION_REUSED_FOR: Duration = Duration::from_secs(5);
+
+/// Why a deletion was held back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Brake {
+    /// More than half of the driver's nodes look lost.
+    Outage(Headcount),
+    /// The hourly node budget is spent.
+    Budget(u32),
+}
 
 /// The recovery's dependencies.
 pub struct NodeLossRecovery {
@@ -460,7 +617,7 @@ pub struct NodeLossRecovery {
     pub stores: Stores,
     /// The liveness view.
     pub liveness: LivenessView,
-    /// Grace and dry-run.
+    /// Grace, dry-run and brakes.
     pub settings: NodeLossSettings,
     /// Who writes the Events.
     pub reporter: Reporter,
@@ -484,6 +641,7 @@ impl NodeLossRecovery {
             recorder: Recorder::new(self.client.clone(), self.reporter),
             client: self.client,
             stores: self.stores,
+            volumes: reader.clone(),
             liveness: self.liveness,
             settings: self.settings,
             metrics: self.metrics,
@@ -491,10 +649,15 @@ impl NodeLossRecovery {
             reported: Mutex::default(),
             clock: Mutex::default(),
             confirmed: Mutex::default(),
+            headcount: Mutex::default(),
+            budget: Mutex::default(),
+            pruned: Mutex::default(),
         });
         tracing::info!(
             grace = ?self.settings.grace,
             dry_run = self.settings.dry_run,
+            max_nodes_per_hour = self.settings.max_nodes_per_hour,
+            unfenced = self.settings.unfenced,
             "node-loss recovery running"
         );
         Controller::for_stream(stream, reader)
@@ -513,12 +676,17 @@ async fn reconcile(pv: Arc<PersistentVolume>, ctx: Arc<Context>) -> Result<Actio
     ctx.instrument.reconcile(&pv, recover(&pv, &ctx)).await
 }
 
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
 impl Context {
     fn driver(&self) -> &str {
         &self.liveness.settings().driver
     }
 
-    fn class_value(&self, claim: &ClaimSummary) -> Option<String> {
+    /// The class's opt-in value, from the cache.
+    fn cached_class_value(&self, claim: &ClaimSummary) -> Option<String> {
         let class = claim.spec.as_ref()?.storage_class_name.as_deref()?;
         let class = self
             .stores
@@ -532,11 +700,33 @@ impl Context {
             .cloned()
     }
 
+    /// The class's opt-in value, read uncached: an operator who just took the class's opt-in
+    /// back must not lose a claim to a stale cache.
+    async fn fresh_class_value(&self, claim: &ClaimSummary) -> Result<Option<String>, kube::Error> {
+        let Some(class) = claim
+            .spec
+            .as_ref()
+            .and_then(|s| s.storage_class_name.as_deref())
+        else {
+            return Ok(None);
+        };
+        let class = Api::<StorageClass>::all(self.client.clone())
+            .get_opt(class)
+            .await?;
+        Ok(class.and_then(|c| {
+            c.metadata
+                .annotations
+                .and_then(|mut a| a.remove(RECREATE_ON_NODE_LOSS))
+        }))
+    }
+
+    /// The state of `claim` (cached or fresh), whose class's opt-in value is `class_value`.
     fn claim_state(
         &self,
         claim: Option<&ClaimSummary>,
         uid: Option<&str>,
         volume: &str,
+        class_value: Option<&str>,
     ) -> ClaimState {
         let Some(claim) = claim.filter(|c| uid.is_none() || c.metadata.uid.as_deref() == uid)
         else {
@@ -549,78 +739,188 @@ impl Context {
         }
         let own = claim.annotations.recreate_on_node_loss.as_deref();
         ClaimState::Present {
-            opt_in: opt_in(own, self.class_value(claim).as_deref()),
+            opt_in: opt_in(own, class_value),
         }
     }
 
     /// The clock's view of `node` now (see [`LossClock::observe`]).
     fn observe(&self, node: &str, lost: Option<(Loss, Duration)>) -> Option<(Loss, Duration)> {
-        self.clock
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .observe(node, lost, Instant::now())
+        lock(&self.clock).observe(node, lost, Instant::now())
     }
 
-    /// Whether more than half of the driver's nodes look lost now.
-    fn too_many_lost(&self) -> bool {
-        let (lost, deleted) = self
-            .clock
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .lost();
-        let selector = &self.liveness.settings().selector;
-        let selected = self
-            .stores
-            .nodes
+    /// The nodes that this driver's volumes name.
+    fn volume_nodes(&self) -> HashSet<String> {
+        let driver = self.driver();
+        self.volumes
             .state()
             .iter()
-            .filter(|n| selector.matches(n.metadata.labels.as_ref()))
-            .count();
-        too_many_lost(lost, deleted, selected)
+            .filter_map(|pv| pv_node(pv, driver))
+            .collect()
     }
 
-    /// Uncached: why the driver does not run on `node` and what its kubelet says (reused for
-    /// [`CONFIRMATION_REUSED_FOR`]).
-    async fn confirm(
-        &self,
-        node: &str,
-    ) -> Result<(Option<DriverlessReason>, Kubelet), kube::Error> {
+    /// The [`Headcount`] from the caches and the liveness view.
+    fn cached_headcount(&self) -> Headcount {
+        let selector = &self.liveness.settings().selector;
+        let now = k8s_openapi::jiff::Timestamp::now();
+        let mut count = Headcount::default();
+        let mut existing = HashSet::new();
+        for node in self.stores.nodes.state() {
+            let name = node.metadata.name.clone().unwrap_or_default();
+            if counted(true, selector.matches(node.metadata.labels.as_ref()), false) {
+                let heartbeat = self.liveness.observe(&name).heartbeat;
+                let kubelet = kubelet_of(Some(&node), now);
+                count.add(
+                    lost_for(self.liveness.driverless_for(&name), heartbeat, kubelet).is_some(),
+                );
+            }
+            existing.insert(name);
+        }
+        for name in self.volume_nodes().difference(&existing) {
+            let heartbeat = self.liveness.observe(name).heartbeat;
+            let driverless = self.liveness.driverless_for(name);
+            count.add(lost_for(driverless, heartbeat, Kubelet::NodeGone).is_some());
+        }
+        count
+    }
+
+    /// The [`Headcount`] from an uncached list of Nodes (and heartbeat Leases), reused for
+    /// [`CONFIRMATION_REUSED_FOR`].
+    async fn fresh_headcount(&self) -> Result<Headcount, kube::Error> {
         let now = Instant::now();
-        if let Some((at, reason, kubelet)) = self
-            .confirmed
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(node)
+        if let Some((at, count)) = *lock(&self.headcount)
+            && now.saturating_duration_since(at) < CONFIRMATION_REUSED_FOR
+        {
+            return Ok(count);
+        }
+        let settings = self.liveness.settings();
+        let nodes = Api::<NodeSummary>::all(self.client.clone())
+            .list(&ListParams::default())
+            .await?
+            .items;
+        let leases: HashMap<String, Lease> = match settings.heartbeat {
+            Some(_) => Api::<Lease>::namespaced(self.client.clone(), &settings.namespace)
+                .list(&ListParams::default())
+                .await?
+                .items
+                .into_iter()
+                .filter_map(|l| Some((l.metadata.name.clone()?, l)))
+                .collect(),
+            None => HashMap::new(),
+        };
+        let heartbeat = |node: &str| {
+            self.liveness.heartbeat(
+                node,
+                settings
+                    .heartbeat
+                    .map(|_| leases.get(&heartbeat_lease_name(&settings.driver, node))),
+            )
+        };
+        let wall = k8s_openapi::jiff::Timestamp::now();
+        let mut count = Headcount::default();
+        let mut existing = HashSet::new();
+        for node in &nodes {
+            let name = node.metadata.name.clone().unwrap_or_default();
+            if counted(
+                true,
+                settings.selector.matches(node.metadata.labels.as_ref()),
+                false,
+            ) {
+                let heartbeat = heartbeat(&name);
+                let reason = crate::liveness::driverless_now(&observation(
+                    settings,
+                    Some(node),
+                    None,
+                    heartbeat,
+                ));
+                let lost = lost_for(
+                    reason.map(|r| (r, Duration::ZERO)),
+                    heartbeat,
+                    kubelet_of(Some(node), wall),
+                );
+                count.add(lost.is_some());
+            }
+            existing.insert(name);
+        }
+        for name in self.volume_nodes().difference(&existing) {
+            let driverless = Some((DriverlessReason::NodeMissing, Duration::ZERO));
+            count.add(lost_for(driverless, heartbeat(name), Kubelet::NodeGone).is_some());
+        }
+        *lock(&self.headcount) = Some((now, count));
+        Ok(count)
+    }
+
+    /// Whether a deletion on `node` must be held back: an outage by the caches, then by an
+    /// uncached count; then the hourly budget (which this records `node` in when it admits).
+    async fn brake(&self, node: &str) -> Result<Option<Brake>, kube::Error> {
+        let cached = self.cached_headcount();
+        if cached.too_many_lost() {
+            return Ok(Some(Brake::Outage(cached)));
+        }
+        let fresh = self.fresh_headcount().await?;
+        if fresh.too_many_lost() {
+            return Ok(Some(Brake::Outage(fresh)));
+        }
+        let per_hour = self.settings.max_nodes_per_hour;
+        if !lock(&self.budget).admit(node, Instant::now(), per_hour) {
+            return Ok(Some(Brake::Budget(per_hour)));
+        }
+        Ok(None)
+    }
+
+    /// Uncached: why the driver does not run on `node`, its heartbeat, its kubelet and its
+    /// fence (reused for [`CONFIRMATION_REUSED_FOR`]).
+    async fn confirm(&self, node: &str) -> Result<NodeLook, kube::Error> {
+        let now = Instant::now();
+        if let Some((at, look)) = lock(&self.confirmed).get(node)
             && now.saturating_duration_since(*at) < CONFIRMATION_REUSED_FOR
         {
-            return Ok((*reason, *kubelet));
+            return Ok(*look);
         }
-        let (reason, fresh) = self.liveness.confirm_with_node(&self.client, node).await?;
-        let kubelet = kubelet_of(fresh.as_ref(), k8s_openapi::jiff::Timestamp::now());
-        let mut confirmed = self
-            .confirmed
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        confirmed
-            .retain(|_, (at, _, _)| now.saturating_duration_since(*at) < CONFIRMATION_REUSED_FOR);
-        confirmed.insert(node.to_string(), (now, reason, kubelet));
-        Ok((reason, kubelet))
+        let (reason, heartbeat, fresh) = self.liveness.confirm_node(&self.client, node).await?;
+        let look = NodeLook {
+            reason,
+            heartbeat,
+            kubelet: kubelet_of(fresh.as_ref(), k8s_openapi::jiff::Timestamp::now()),
+            fence: Fence::of(fresh.as_ref(), self.settings.unfenced),
+        };
+        let mut confirmed = lock(&self.confirmed);
+        confirmed.retain(|_, (at, _)| now.saturating_duration_since(*at) < CONFIRMATION_REUSED_FOR);
+        confirmed.insert(node.to_string(), (now, look));
+        Ok(look)
     }
 
     /// Whether `key` was reported this term.
     fn was_reported(&self, key: &str) -> bool {
-        self.reported
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .contains(key)
+        lock(&self.reported).contains_key(key)
     }
 
-    /// Records `key` as reported; false when it already was this term.
-    fn first_report(&self, key: &str) -> bool {
-        self.reported
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(key.to_string())
+    /// Records `key` as reported about `volume`; false when it already was this term.
+    fn first_report(&self, key: &str, volume: &str) -> bool {
+        lock(&self.reported)
+            .insert(key.to_string(), volume.to_string())
+            .is_none()
+    }
+
+    /// Forgets reports about PVs that are gone and loss clocks of nodes that no PV names, at
+    /// most every [`CHECK_AT_MOST_EVERY`].
+    fn prune(&self) {
+        let now = Instant::now();
+        {
+            let mut pruned = lock(&self.pruned);
+            if pruned.is_some_and(|at| now.saturating_duration_since(at) < CHECK_AT_MOST_EVERY) {
+                return;
+            }
+            *pruned = Some(now);
+        }
+        let volumes: HashSet<String> = self
+            .volumes
+            .state()
+            .iter()
+            .filter_map(|pv| pv.metadata.name.clone())
+            .collect();
+        lock(&self.reported).retain(|_, volume| volumes.contains(volume));
+        let nodes = self.volume_nodes();
+        lock(&self.clock).retain(|node| nodes.contains(node));
     }
 
     async fn publish(&self, claim: &ClaimSummary, reason: &str, note: String) {
@@ -638,115 +938,70 @@ impl Context {
     }
 }
 
-async fn recover(pv: &PersistentVolume, ctx: &Context) -> Result<Action, NodeLossError> {
-    let volume = VolumeFacts::of(pv, ctx.driver());
-    let err = |op: &str| {
-        let (op, volume) = (op.to_string(), volume.name.clone());
+/// One PV's volume, with its node and claim.
+struct Subject {
+    volume: VolumeFacts,
+    node: String,
+    namespace: String,
+    name: String,
+    uid: Option<String>,
+}
+
+impl Subject {
+    fn claim_label(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
+
+    fn err(&self, op: &str) -> impl FnOnce(kube::Error) -> NodeLossError + use<> {
+        let (op, volume) = (op.to_string(), self.volume.name.clone());
         move |source| NodeLossError { op, volume, source }
-    };
+    }
+}
+
+async fn recover(pv: &PersistentVolume, ctx: &Context) -> Result<Action, NodeLossError> {
+    ctx.prune();
+    let volume = VolumeFacts::of(pv, ctx.driver());
     let (Some(node), Some((namespace, name, uid))) = (volume.node.clone(), volume.claim.clone())
     else {
         return Ok(Action::await_change());
     };
-    let grace = ctx.settings.grace;
-    let check = check_every(grace);
-    // First from the caches (the Node cache keeps its Ready condition).
-    let cached_claim = ctx
-        .stores
-        .claims
-        .get(&ObjectRef::<ClaimSummary>::new(&name).within(&namespace));
-    let cached_node = ctx.stores.nodes.get(&ObjectRef::<NodeSummary>::new(&node));
-    let now = k8s_openapi::jiff::Timestamp::now();
-    let driverless = ctx.liveness.driverless_for(&node);
-    let lost = ctx.observe(
-        &node,
-        lost_for(driverless, kubelet_of(cached_node.as_deref(), now)),
-    );
-    let cached = decide(
-        &volume,
-        ctx.claim_state(cached_claim.as_deref(), uid.as_deref(), &volume.name),
-        lost,
-        grace,
-    );
-    match cached {
-        Verdict::Ignore | Verdict::Done => return Ok(Action::await_change()),
-        Verdict::Alive => return Ok(Action::requeue(check)),
-        Verdict::Wait(left) => return Ok(Action::requeue(left.min(check))),
-        // Reported already: the uncached reads would only say so again, for every volume of a
-        // lost node every few seconds, as long as their claims stay.
-        Verdict::Report { .. } if reported(ctx, "report", cached_claim.as_deref()) => {
-            return Ok(Action::requeue(check));
-        }
-        Verdict::Recover { .. } | Verdict::Release { .. }
-            if ctx.settings.dry_run && ctx.was_reported(&format!("dry-run/{}", volume.name)) =>
-        {
-            return Ok(Action::requeue(check));
-        }
-        Verdict::Report { .. } | Verdict::Recover { .. } | Verdict::Release { .. } => {}
+    let s = Subject {
+        volume,
+        node,
+        namespace,
+        name,
+        uid,
+    };
+    let check = check_every(ctx.settings.grace);
+    if let Some(action) = judge_cached(&s, ctx) {
+        return Ok(action);
     }
     // Then from uncached reads, which must agree before anything is written.
-    let (confirmed, kubelet) = ctx
-        .confirm(&node)
-        .await
-        .map_err(err("confirming the node's loss"))?;
-    let claims = Api::<ClaimSummary>::namespaced(ctx.client.clone(), &namespace);
-    let fresh_claim = claims
-        .get_opt(&name)
-        .await
-        .map_err(err("reading the claim"))?;
-    let lost = ctx.observe(
-        &node,
-        lost_for(confirmed.zip(driverless.map(|(_, d)| d)), kubelet),
-    );
-    let claim_state = ctx.claim_state(fresh_claim.as_ref(), uid.as_deref(), &volume.name);
-    let verdict = decide(&volume, claim_state, lost, grace);
-    let claim_label = format!("{namespace}/{name}");
+    let (verdict, fresh_claim) = judge_fresh(&s, ctx).await?;
     let deletes = matches!(verdict, Verdict::Recover { .. } | Verdict::Release { .. });
-    if deletes && !ctx.settings.dry_run && ctx.too_many_lost() {
-        ctx.metrics.count("refused");
-        tracing::warn!(node, volume = %volume.name, "more than half of the driver's nodes look lost: an outage, not lost nodes; nothing deleted");
-        if let Some(claim) = fresh_claim.as_ref()
-            && ctx.first_report(&format!("refused/{}", uid_or(claim, &claim_label)))
-        {
-            ctx.publish(
-                claim,
-                "NodeLossRecoveryRefused",
-                format!(
-                    "node {node} looks lost, but so do more than half of the nodes of the driver: \
-                     an apiserver, network or zone outage rather than lost nodes; nothing is \
-                     deleted while it lasts"
-                ),
-            )
-            .await;
+    if deletes && !ctx.settings.dry_run {
+        let brake = ctx
+            .brake(&s.node)
+            .await
+            .map_err(s.err("counting the driver's lost nodes"))?;
+        if let Some(brake) = brake {
+            held_back(&s, ctx, brake, fresh_claim.as_ref()).await;
+            return Ok(Action::requeue(check));
         }
-        return Ok(Action::requeue(check));
     }
     match verdict {
         Verdict::Ignore | Verdict::Done => Ok(Action::await_change()),
         Verdict::Alive => Ok(Action::requeue(check)),
         Verdict::Wait(left) => Ok(Action::requeue(left.min(check))),
         Verdict::Report { loss } => {
-            let Some(claim) = fresh_claim.as_ref() else {
-                return Ok(Action::requeue(check));
-            };
-            if ctx.first_report(&format!("report/{}", uid_or(claim, &claim_label))) {
-                ctx.metrics.count("reported");
-                tracing::warn!(claim = %claim_label, node, loss = loss.as_str(), volume = %volume.name, "node lost; claim not opted in, left alone");
-                ctx.publish(
-                    claim,
-                    "NodeLost",
-                    format!(
-                        "node {node} is lost ({}, longer than {}): volume {} cannot be used again. \
-                         To let pmem-csi delete this claim, its volume and the pods using it on \
-                         {node} so that the workload starts elsewhere with a new, empty volume, \
-                         annotate the claim (or its StorageClass) with {RECREATE_ON_NODE_LOSS}=true; \
-                         or delete them yourself",
-                        loss.as_str(),
-                        crate::duration::format(grace),
-                        volume.name
-                    ),
-                )
-                .await;
+            if let Some(claim) = fresh_claim.as_ref() {
+                report(&s, ctx, claim, loss).await;
+            }
+            Ok(Action::requeue(check))
+        }
+        Verdict::AwaitFence => {
+            if let Some(claim) = fresh_claim.as_ref() {
+                await_fence(&s, ctx, claim).await;
             }
             Ok(Action::requeue(check))
         }
@@ -756,107 +1011,338 @@ async fn recover(pv: &PersistentVolume, ctx: &Context) -> Result<Action, NodeLos
             delete_volume,
             remove_finalizer: _,
         } => {
-            let Some(claim) = fresh_claim.as_ref() else {
-                return Ok(Action::requeue(check));
-            };
-            let pods: Vec<Pod> = Api::<Pod>::namespaced(ctx.client.clone(), &namespace)
-                .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
-                .await
-                .map_err(err("listing the lost node's pods"))?
-                .items
-                .into_iter()
-                .filter(|p| uses_claim(p, &name))
-                .collect();
-            let pod_names: Vec<String> = pods
-                .iter()
-                .filter_map(|p| p.metadata.name.clone())
-                .collect();
-            let what = format!(
-                "claim {claim_label}, pods {pod_names:?} on {node} and{} volume {}",
-                if delete_volume {
-                    ""
-                } else {
-                    " not (reclaim policy Retain) its"
-                },
-                volume.name
-            );
-            let why = format!(
-                "node {node} is lost ({}, longer than {}) and the claim opted in ({RECREATE_ON_NODE_LOSS} on its {})",
-                loss.as_str(),
-                crate::duration::format(grace),
-                match opt_in {
-                    OptIn::Claim => "claim",
-                    OptIn::Class => "StorageClass",
-                }
-            );
-            if ctx.settings.dry_run {
-                if ctx.first_report(&format!("dry-run/{}", volume.name)) {
-                    ctx.metrics.count("dry-run");
-                    tracing::warn!(claim = %claim_label, node, "dry run: would delete {what}: {why}");
-                    ctx.publish(
-                        claim,
-                        "NodeLossRecoveryDryRun",
-                        format!(
-                            "would delete {what}: {why} (--node-loss-dry-run: nothing changed)"
-                        ),
-                    )
-                    .await;
-                }
-                return Ok(Action::requeue(check));
-            }
-            if ctx.first_report(&format!("recover/{}", uid_or(claim, &claim_label))) {
-                tracing::warn!(claim = %claim_label, node, "deleting {what}: {why}");
-                ctx.publish(
-                    claim,
-                    "NodeLossRecovery",
-                    format!("deleting {what}: {why}; its workload's controller recreates them elsewhere with a new, empty volume"),
-                )
-                .await;
-            }
-            if claim.metadata.deletion_timestamp.is_none() {
-                // The claim first: a StatefulSet recreating its pod waits while the claim is
-                // being deleted, instead of starting the new pod on the old claim.
-                if delete(&claims, &name, claim.metadata.uid.clone(), None)
-                    .await
-                    .map_err(err("deleting the claim"))?
-                {
-                    ctx.metrics.count("claim-deleted");
-                }
-            }
-            let pod_api = Api::<Pod>::namespaced(ctx.client.clone(), &namespace);
-            for pod in &pods {
-                let pod_name = pod.metadata.name.clone().unwrap_or_default();
-                // No kubelet will ever confirm a graceful deletion on a lost node.
-                if delete(&pod_api, &pod_name, pod.metadata.uid.clone(), Some(0))
-                    .await
-                    .map_err(err("deleting a pod of the lost node"))?
-                {
-                    ctx.metrics.count("pod-deleted");
-                    tracing::info!(pod = %format!("{namespace}/{pod_name}"), node, "deleted pod of a lost node");
-                }
-            }
-            if delete_volume {
-                release(ctx, &volume.name, &node, loss)
-                    .await
-                    .map_err(err("deleting the volume"))?;
+            if let Some(claim) = fresh_claim.as_ref() {
+                recover_claim(&s, ctx, claim, loss, opt_in, delete_volume).await?;
             }
             Ok(Action::requeue(check))
         }
         Verdict::Release { loss, .. } => {
-            if ctx.settings.dry_run {
-                if ctx.first_report(&format!("dry-run/{}", volume.name)) {
-                    ctx.metrics.count("dry-run");
-                    tracing::warn!(node, volume = %volume.name, loss = loss.as_str(), "dry run: would delete the released volume of a lost node");
-                }
-                return Ok(Action::requeue(check));
-            }
-            tracing::info!(node, volume = %volume.name, loss = loss.as_str(), "deleting the released volume of a lost node");
-            release(ctx, &volume.name, &node, loss)
-                .await
-                .map_err(err("deleting the released volume"))?;
+            release_volume(&s, ctx, loss).await?;
             Ok(Action::requeue(check))
         }
     }
+}
+
+/// The verdict from the caches, when it settles the reconcile without uncached reads: the
+/// action to return.
+fn judge_cached(s: &Subject, ctx: &Context) -> Option<Action> {
+    let check = check_every(ctx.settings.grace);
+    let cached_claim = ctx
+        .stores
+        .claims
+        .get(&ObjectRef::<ClaimSummary>::new(&s.name).within(&s.namespace));
+    // The Node cache keeps its Ready condition and taints.
+    let cached_node = ctx
+        .stores
+        .nodes
+        .get(&ObjectRef::<NodeSummary>::new(&s.node));
+    let now = k8s_openapi::jiff::Timestamp::now();
+    let heartbeat = ctx.liveness.observe(&s.node).heartbeat;
+    let lost = ctx.observe(
+        &s.node,
+        lost_for(
+            ctx.liveness.driverless_for(&s.node),
+            heartbeat,
+            kubelet_of(cached_node.as_deref(), now),
+        ),
+    );
+    let class_value = cached_claim
+        .as_deref()
+        .and_then(|c| ctx.cached_class_value(c));
+    let cached = decide(
+        &s.volume,
+        ctx.claim_state(
+            cached_claim.as_deref(),
+            s.uid.as_deref(),
+            &s.volume.name,
+            class_value.as_deref(),
+        ),
+        lost,
+        Fence::of(cached_node.as_deref(), ctx.settings.unfenced),
+        ctx.settings.grace,
+    );
+    match cached {
+        Verdict::Ignore | Verdict::Done => Some(Action::await_change()),
+        Verdict::Alive => Some(Action::requeue(check)),
+        Verdict::Wait(left) => Some(Action::requeue(left.min(check))),
+        // Reported already: the uncached reads would only say so again, for every volume of a
+        // lost node every few seconds, as long as their claims stay.
+        Verdict::Report { .. } if reported(ctx, "report", cached_claim.as_deref()) => {
+            Some(Action::requeue(check))
+        }
+        Verdict::AwaitFence if reported(ctx, "unfenced", cached_claim.as_deref()) => {
+            Some(Action::requeue(check))
+        }
+        Verdict::Recover { .. } | Verdict::Release { .. }
+            if ctx.settings.dry_run && ctx.was_reported(&format!("dry-run/{}", s.volume.name)) =>
+        {
+            Some(Action::requeue(check))
+        }
+        Verdict::Report { .. }
+        | Verdict::AwaitFence
+        | Verdict::Recover { .. }
+        | Verdict::Release { .. } => None,
+    }
+}
+
+/// The verdict from uncached reads of the node, the claim and its class, with the claim read.
+async fn judge_fresh(
+    s: &Subject,
+    ctx: &Context,
+) -> Result<(Verdict, Option<ClaimSummary>), NodeLossError> {
+    let look = ctx
+        .confirm(&s.node)
+        .await
+        .map_err(s.err("confirming the node's loss"))?;
+    let fresh_claim = Api::<ClaimSummary>::namespaced(ctx.client.clone(), &s.namespace)
+        .get_opt(&s.name)
+        .await
+        .map_err(s.err("reading the claim"))?;
+    let class_value = match fresh_claim.as_ref() {
+        Some(claim) => ctx
+            .fresh_class_value(claim)
+            .await
+            .map_err(s.err("reading the claim's StorageClass"))?,
+        None => None,
+    };
+    let driverless = ctx.liveness.driverless_for(&s.node);
+    let lost = ctx.observe(
+        &s.node,
+        lost_for(
+            look.reason.zip(driverless.map(|(_, d)| d)),
+            look.heartbeat,
+            look.kubelet,
+        ),
+    );
+    let claim_state = ctx.claim_state(
+        fresh_claim.as_ref(),
+        s.uid.as_deref(),
+        &s.volume.name,
+        class_value.as_deref(),
+    );
+    let verdict = decide(&s.volume, claim_state, lost, look.fence, ctx.settings.grace);
+    Ok((verdict, fresh_claim))
+}
+
+/// Reports (once per claim and brake) that a deletion was held back.
+async fn held_back(s: &Subject, ctx: &Context, brake: Brake, claim: Option<&ClaimSummary>) {
+    let node = &s.node;
+    let (action, key, note) = match brake {
+        Brake::Outage(count) => (
+            "refused",
+            "refused",
+            format!(
+                "node {node} looks lost, but so do {} of the driver's {} nodes (more than half): \
+                 an apiserver, network or zone outage rather than lost nodes; nothing is deleted \
+                 while it lasts",
+                count.lost, count.nodes
+            ),
+        ),
+        Brake::Budget(per_hour) => (
+            "capped",
+            "capped",
+            format!(
+                "node {node} is lost, but {per_hour} nodes were recovered within the last hour \
+                 (--node-loss-max-nodes-per-hour): nothing is deleted on it until the hour frees \
+                 a place, or an operator deletes the claim"
+            ),
+        ),
+    };
+    tracing::warn!(node, volume = %s.volume.name, count = ?brake, "node-loss recovery held back: {note}");
+    let Some(claim) = claim else {
+        return;
+    };
+    if ctx.first_report(
+        &format!("{key}/{}", uid_or(claim, &s.claim_label())),
+        &s.volume.name,
+    ) {
+        ctx.metrics.count(action);
+        ctx.publish(claim, "NodeLossRecoveryRefused", note).await;
+    }
+}
+
+/// Reports (once) that the node is lost and `claim` did not opt in.
+async fn report(s: &Subject, ctx: &Context, claim: &ClaimSummary, loss: Loss) {
+    let (node, label) = (&s.node, s.claim_label());
+    if !ctx.first_report(&format!("report/{}", uid_or(claim, &label)), &s.volume.name) {
+        return;
+    }
+    ctx.metrics.count("reported");
+    tracing::warn!(claim = %label, node, loss = loss.as_str(), volume = %s.volume.name, "node lost; claim not opted in, left alone");
+    ctx.publish(
+        claim,
+        "NodeLost",
+        format!(
+            "node {node} is lost ({}, longer than {}): volume {} cannot be used again. \
+             To let pmem-csi delete this claim, its volume and the pods using it on \
+             {node} so that the workload starts elsewhere with a new, empty volume, \
+             annotate the claim (or its StorageClass) with {RECREATE_ON_NODE_LOSS}=true; \
+             or delete them yourself",
+            loss.as_str(),
+            crate::duration::format(ctx.settings.grace),
+            s.volume.name
+        ),
+    )
+    .await;
+}
+
+/// Reports (once) that the node is silent but not fenced.
+async fn await_fence(s: &Subject, ctx: &Context, claim: &ClaimSummary) {
+    let (node, label) = (&s.node, s.claim_label());
+    if !ctx.first_report(
+        &format!("unfenced/{}", uid_or(claim, &label)),
+        &s.volume.name,
+    ) {
+        return;
+    }
+    ctx.metrics.count("awaiting-fence");
+    tracing::warn!(claim = %label, node, volume = %s.volume.name, "node silent but not fenced; nothing deleted");
+    ctx.publish(
+        claim,
+        "NodeLostNotFenced",
+        format!(
+            "node {node} looks lost (its driver and kubelet stopped reporting longer than {}), \
+             but it may be cut off rather than dead, its pods still writing: nothing is deleted. \
+             Once it is fenced (powered off, or cut off from its storage and network), taint it \
+             with {}=nodeshutdown:NoExecute and the recovery goes on",
+            crate::duration::format(ctx.settings.grace),
+            crate::node_summary::OUT_OF_SERVICE,
+        ),
+    )
+    .await;
+}
+
+/// Deletes `claim`, the lost node's pods using it and (`delete_volume`) its volume; only
+/// reports that it would with `--node-loss-dry-run`.
+async fn recover_claim(
+    s: &Subject,
+    ctx: &Context,
+    claim: &ClaimSummary,
+    loss: Loss,
+    opt_in: OptIn,
+    delete_volume: bool,
+) -> Result<(), NodeLossError> {
+    let (node, label) = (&s.node, s.claim_label());
+    let pods: Vec<Pod> = Api::<Pod>::namespaced(ctx.client.clone(), &s.namespace)
+        .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
+        .await
+        .map_err(s.err("listing the lost node's pods"))?
+        .items
+        .into_iter()
+        .filter(|p| uses_claim(p, &s.name))
+        .collect();
+    let pod_names: Vec<String> = pods
+        .iter()
+        .filter_map(|p| p.metadata.name.clone())
+        .collect();
+    let what = format!(
+        "claim {label}, pods {pod_names:?} on {node} and{} volume {}",
+        if delete_volume {
+            ""
+        } else {
+            " not (reclaim policy Retain) its"
+        },
+        s.volume.name
+    );
+    let why = format!(
+        "node {node} is lost ({}, longer than {}) and the claim opted in ({RECREATE_ON_NODE_LOSS} on its {})",
+        loss.as_str(),
+        crate::duration::format(ctx.settings.grace),
+        match opt_in {
+            OptIn::Claim => "claim",
+            OptIn::Class => "StorageClass",
+        }
+    );
+    if ctx.settings.dry_run {
+        if ctx.first_report(&format!("dry-run/{}", s.volume.name), &s.volume.name) {
+            ctx.metrics.count("dry-run");
+            tracing::warn!(claim = %label, node, "dry run: would delete {what}: {why}");
+            ctx.publish(
+                claim,
+                "NodeLossRecoveryDryRun",
+                format!("would delete {what}: {why} (--node-loss-dry-run: nothing changed)"),
+            )
+            .await;
+        }
+        return Ok(());
+    }
+    if ctx.first_report(
+        &format!("recover/{}", uid_or(claim, &label)),
+        &s.volume.name,
+    ) {
+        tracing::warn!(claim = %label, node, "deleting {what}: {why}");
+        ctx.publish(
+            claim,
+            "NodeLossRecovery",
+            format!("deleting {what}: {why}; its workload's controller recreates them elsewhere with a new, empty volume"),
+        )
+        .await;
+    }
+    if claim.metadata.deletion_timestamp.is_none() {
+        // The claim first: a StatefulSet recreating its pod waits while the claim is being
+        // deleted, instead of starting the new pod on the old claim. The fresh read's
+        // resourceVersion: a claim changed since (its opt-in taken back) is judged again.
+        let claims = Api::<ClaimSummary>::namespaced(ctx.client.clone(), &s.namespace);
+        let preconditions = Preconditions {
+            uid: claim.metadata.uid.clone(),
+            resource_version: claim.metadata.resource_version.clone(),
+        };
+        if delete(&claims, &s.name, preconditions, None)
+            .await
+            .map_err(s.err("deleting the claim"))?
+        {
+            ctx.metrics.count("claim-deleted");
+        }
+    }
+    let pod_api = Api::<Pod>::namespaced(ctx.client.clone(), &s.namespace);
+    for pod in &pods {
+        let pod_name = pod.metadata.name.clone().unwrap_or_default();
+        let preconditions = Preconditions {
+            uid: pod.metadata.uid.clone(),
+            resource_version: None,
+        };
+        // No kubelet will ever confirm a graceful deletion on a lost node.
+        if delete(&pod_api, &pod_name, preconditions, Some(0))
+            .await
+            .map_err(s.err("deleting a pod of the lost node"))?
+        {
+            ctx.metrics.count("pod-deleted");
+            tracing::info!(pod = %format!("{}/{pod_name}", s.namespace), node, "deleted pod of a lost node");
+        }
+    }
+    if delete_volume {
+        release(ctx, &s.volume.name, node, loss)
+            .await
+            .map_err(s.err("deleting the volume"))?;
+    }
+    Ok(())
+}
+
+/// Deletes the released volume of a lost node; only reports that it would with
+/// `--node-loss-dry-run`.
+async fn release_volume(s: &Subject, ctx: &Context, loss: Loss) -> Result<(), NodeLossError> {
+    let (node, volume) = (&s.node, &s.volume.name);
+    if ctx.settings.dry_run {
+        if ctx.first_report(&format!("dry-run/{volume}"), volume) {
+            ctx.metrics.count("dry-run");
+            tracing::warn!(
+                node,
+                volume,
+                loss = loss.as_str(),
+                "dry run: would delete the released volume of a lost node"
+            );
+        }
+        return Ok(());
+    }
+    tracing::info!(
+        node,
+        volume,
+        loss = loss.as_str(),
+        "deleting the released volume of a lost node"
+    );
+    release(ctx, volume, node, loss)
+        .await
+        .map_err(s.err("deleting the released volume"))
 }
 
 /// Whether `claim` (from the cache) was reported as `kind` this term.
@@ -874,11 +1360,11 @@ fn uid_or(claim: &ClaimSummary, fallback: &str) -> String {
         .unwrap_or_else(|| fallback.to_string())
 }
 
-/// Deletes `name` if its uid is still `uid`; false when it was gone or replaced already.
+/// Deletes `name` if `preconditions` still hold; false when it was gone or changed already.
 async fn delete<K>(
     api: &Api<K>,
     name: &str,
-    uid: Option<String>,
+    preconditions: Preconditions,
     grace_period_seconds: Option<u32>,
 ) -> Result<bool, kube::Error>
 where
@@ -886,15 +1372,12 @@ where
 {
     let params = DeleteParams {
         grace_period_seconds,
-        preconditions: uid.map(|uid| Preconditions {
-            uid: Some(uid),
-            resource_version: None,
-        }),
+        preconditions: Some(preconditions),
         ..DeleteParams::default()
     };
     match api.delete(name, &params).await {
         Ok(_) => Ok(true),
-        // Gone, or replaced by a new object of the same name (uid precondition): not ours.
+        // Gone, or replaced or changed since the read (preconditions): judged again.
         Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => Ok(false),
         Err(e) => Err(e),
     }
@@ -1037,7 +1520,57 @@ mod tests {
                 None,
             ),
         ] {
-            assert_eq!(lost_for(driverless, kubelet), want, "{name}");
+            // With heartbeats expired or not used, the rule is the same.
+            for heartbeat in [HeartbeatState::Expired, HeartbeatState::NotUsed] {
+                assert_eq!(lost_for(driverless, heartbeat, kubelet), want, "{name}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_node_deleted_while_its_driver_renews_is_not_lost() {
+        use HeartbeatState::*;
+        for (name, driverless, heartbeat, kubelet, want) in [
+            (
+                "deleted, heartbeat fresh: re-registering, or deleted by mistake",
+                Some((NodeMissing, S(600))),
+                Fresh,
+                Kubelet::NodeGone,
+                None,
+            ),
+            (
+                "deleted, heartbeat expired",
+                Some((NodeMissing, S(600))),
+                Expired,
+                Kubelet::NodeGone,
+                Some((Loss::NodeDeleted, S(600))),
+            ),
+            (
+                "deleted, heartbeats not used",
+                Some((NodeMissing, S(600))),
+                NotUsed,
+                Kubelet::NodeGone,
+                Some((Loss::NodeDeleted, S(600))),
+            ),
+        ] {
+            assert_eq!(lost_for(driverless, heartbeat, kubelet), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn fence_of_a_node() {
+        let node = |out_of_service| NodeSummary {
+            out_of_service,
+            ..NodeSummary::default()
+        };
+        for (name, n, waived, want) in [
+            ("tainted", Some(node(true)), false, Fence::Tainted),
+            ("tainted and waived", Some(node(true)), true, Fence::Tainted),
+            ("no taint", Some(node(false)), false, Fence::Absent),
+            ("no taint, waived", Some(node(false)), true, Fence::Waived),
+            ("no Node", None, false, Fence::Absent),
+        ] {
+            assert_eq!(Fence::of(n.as_ref(), waived), want, "{name}");
         }
     }
 
@@ -1240,8 +1773,66 @@ mod tests {
                 Verdict::Done,
             ),
         ] {
-            assert_eq!(decide(volume, claim, lost, grace), want, "{name}");
+            // A silent node here is fenced; a deleted node needs no fence.
+            for fence in [Fence::Tainted, Fence::Waived] {
+                assert_eq!(decide(volume, claim, lost, fence, grace), want, "{name}");
+            }
+            if lost.is_some_and(|(loss, _)| loss == Loss::NodeDeleted) {
+                assert_eq!(
+                    decide(volume, claim, lost, Fence::Absent, grace),
+                    want,
+                    "{name}"
+                );
+            }
         }
+    }
+
+    #[test]
+    fn a_silent_node_waits_for_its_fence() {
+        let grace = S(60);
+        let silent = Some((Loss::Silent, S(600)));
+        let opted = ClaimState::Present {
+            opt_in: Some(OptIn::Claim),
+        };
+        let v = volume(true, false, true);
+        for (name, claim, fence, want) in [
+            (
+                "opted in, not fenced",
+                opted,
+                Fence::Absent,
+                Verdict::AwaitFence,
+            ),
+            (
+                "claim gone, not fenced",
+                ClaimState::Gone,
+                Fence::Absent,
+                Verdict::AwaitFence,
+            ),
+            (
+                "opted in, fenced",
+                opted,
+                Fence::Tainted,
+                Verdict::Recover {
+                    loss: Loss::Silent,
+                    opt_in: OptIn::Claim,
+                    delete_volume: true,
+                    remove_finalizer: false,
+                },
+            ),
+            (
+                "not opted in, not fenced: reported as lost",
+                ClaimState::Present { opt_in: None },
+                Fence::Absent,
+                Verdict::Report { loss: Loss::Silent },
+            ),
+        ] {
+            assert_eq!(decide(&v, claim, silent, fence, grace), want, "{name}");
+        }
+        assert_eq!(
+            decide(&v, opted, Some((Loss::Silent, S(10))), Fence::Absent, grace),
+            Verdict::Wait(S(50)),
+            "within the grace it waits as any loss"
+        );
     }
 
     #[test]
@@ -1262,37 +1853,125 @@ mod tests {
             clock.observe("n1", Some((Loss::NodeDeleted, S(30))), t0 + S(90)),
             Some((Loss::NodeDeleted, S(30)))
         );
-        assert_eq!(clock.lost(), (1, 1));
+        assert_eq!(clock.len(), 1);
         // Another kind of loss starts again; a node back is forgotten.
         assert_eq!(
             clock.observe("n1", Some((Loss::Silent, S(900))), t0 + S(100)),
             Some((Loss::Silent, S(0)))
         );
-        assert_eq!(clock.lost(), (1, 0));
         assert_eq!(clock.observe("n1", None, t0 + S(110)), None);
         assert_eq!(
             clock.observe("n1", Some((Loss::Silent, S(900))), t0 + S(120)),
             Some((Loss::Silent, S(0)))
         );
+        // Pruned once no volume names the node.
+        clock.observe("n2", Some((Loss::NodeDeleted, S(9))), t0 + S(120));
+        clock.retain(|n| n == "n2");
+        assert_eq!(clock.len(), 1);
+        clock.retain(|_| false);
+        assert!(clock.is_empty());
+    }
+
+    /// One node as the guard sees it: (Node exists, matches the selector, holds a volume,
+    /// looks lost).
+    type GuardNode = (bool, bool, bool, bool);
+
+    fn headcount(nodes: &[GuardNode]) -> Headcount {
+        let mut count = Headcount::default();
+        for &(exists, selected, holds, lost) in nodes {
+            if counted(exists, selected, holds) {
+                count.add(lost);
+            }
+        }
+        count
     }
 
     #[test]
-    fn too_many_lost_table() {
-        // (lost, of them deleted, nodes that exist and match the selector, hold back)
-        for (lost, deleted, selected, want) in [
-            (1, 1, 3, false),
-            (1, 1, 1, false),
-            (2, 2, 1, true),
-            (2, 0, 4, false),
-            (3, 0, 4, true),
-            (0, 0, 0, false),
-        ] {
-            assert_eq!(
-                too_many_lost(lost, deleted, selected),
-                want,
-                "{lost} lost ({deleted} deleted) of {selected}"
-            );
+    fn headcount_table() {
+        // Selected nodes that exist: silent ones with and without volumes.
+        let silent = (true, true, false, true);
+        let silent_holding = (true, true, true, true);
+        let alive = (true, true, false, false);
+        let alive_holding = (true, true, true, false);
+        let deleted_holding = (false, false, true, true);
+        let deleted_empty = (false, false, false, true);
+        let unselected_silent = (true, false, true, true);
+        let cases: [(&str, Vec<GuardNode>, Headcount, bool); 7] = [
+            (
+                // The reviewer's case: the old rule counted 3 lost (those holding volumes) of
+                // 10 and deleted claims during an outage.
+                "ten nodes, six silent, three of them holding volumes",
+                [
+                    vec![silent_holding; 3],
+                    vec![silent; 3],
+                    vec![alive_holding; 2],
+                    vec![alive; 2],
+                ]
+                .concat(),
+                Headcount { nodes: 10, lost: 6 },
+                true,
+            ),
+            (
+                "three of five silent, one holding a volume",
+                [vec![silent_holding], vec![silent; 2], vec![alive; 2]].concat(),
+                Headcount { nodes: 5, lost: 3 },
+                true,
+            ),
+            (
+                "one silent of three",
+                vec![silent_holding, alive, alive_holding],
+                Headcount { nodes: 3, lost: 1 },
+                false,
+            ),
+            (
+                "half is not more than half",
+                vec![silent_holding, alive],
+                Headcount { nodes: 2, lost: 1 },
+                false,
+            ),
+            (
+                "a deleted node counts while it holds volumes, not after",
+                vec![deleted_holding, deleted_empty, alive, alive],
+                Headcount { nodes: 3, lost: 1 },
+                false,
+            ),
+            (
+                "an unselected node does not count",
+                vec![unselected_silent, silent_holding, alive],
+                Headcount { nodes: 2, lost: 1 },
+                false,
+            ),
+            ("no nodes", vec![], Headcount::default(), false),
+        ];
+        for (name, nodes, want, refuse) in cases {
+            let count = headcount(&nodes);
+            assert_eq!(count, want, "{name}");
+            assert_eq!(count.too_many_lost(), refuse, "{name}");
         }
+    }
+
+    #[test]
+    fn the_budget_admits_so_many_nodes_an_hour() {
+        let t0 = Instant::now();
+        let mut budget = RecoveryBudget::default();
+        assert!(budget.admit("a", t0, 2));
+        assert!(budget.admit("a", t0 + S(10), 2), "a node begun goes on");
+        assert!(budget.admit("b", t0 + S(20), 2));
+        assert!(
+            !budget.admit("c", t0 + S(30), 2),
+            "the third node within the hour"
+        );
+        assert!(budget.admit("b", t0 + S(40), 2));
+        assert!(!budget.admit("c", t0 + S(3599), 2));
+        assert!(budget.admit("c", t0 + S(3600), 2), "a's hour is over");
+        assert!(
+            !budget.admit("d", t0 + S(3601), 2),
+            "b and c within the hour"
+        );
+        assert!(budget.admit("d", t0 + S(3620), 2));
+        let mut one = RecoveryBudget::default();
+        assert!(one.admit("a", t0, 1));
+        assert!(!one.admit("b", t0, 1));
     }
 
     #[test]

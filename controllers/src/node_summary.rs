@@ -1,5 +1,7 @@
 //! What the driver liveness judgement keeps of a Node: its name, labels (the node selector
-//! matches them) and its Ready condition (the node-loss recovery's view of the kubelet).
+//! matches them), its Ready condition (the node-loss recovery's view of the kubelet) and
+//! whether it carries the `node.kubernetes.io/out-of-service` taint (an operator's word that
+//! the node is fenced).
 //!
 //! Like [`crate::claim_summary::ClaimSummary`], it is a [`kube::Resource`] of its own (kind
 //! Node, core/v1) so that watches, caches and reads decode straight into it. A real Node is
@@ -22,7 +24,13 @@ pub struct NodeSummary {
     pub metadata: ObjectMeta,
     /// The `Ready` condition of its status; `None` when the kubelet never reported one.
     pub ready: Option<ReadyCondition>,
+    /// It carries the [`OUT_OF_SERVICE`] taint (any value or effect).
+    pub out_of_service: bool,
 }
+
+/// Kubernetes' taint for a node that an operator has shut down or fenced (non-graceful node
+/// shutdown): its pods and volumes may be moved away without waiting for its kubelet.
+pub const OUT_OF_SERVICE: &str = "node.kubernetes.io/out-of-service";
 
 /// A Node's `Ready` condition, as far as it is read.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -54,6 +62,10 @@ impl<'de> Deserialize<'de> for NodeSummary {
                 ..ObjectMeta::default()
             },
             ready: wire.status.and_then(|s| s.conditions).and_then(|c| c.0),
+            out_of_service: wire
+                .spec
+                .and_then(|s| s.taints)
+                .is_some_and(|t| t.iter().any(|t| t.key == OUT_OF_SERVICE)),
         })
     }
 }
@@ -65,7 +77,20 @@ struct WireNode {
     #[serde(default)]
     metadata: Option<WireMeta>,
     #[serde(default)]
+    spec: Option<WireSpec>,
+    #[serde(default)]
     status: Option<WireStatus>,
+}
+
+#[derive(Deserialize)]
+struct WireSpec {
+    #[serde(default)]
+    taints: Option<Vec<WireTaint>>,
+}
+
+#[derive(Deserialize)]
+struct WireTaint {
+    key: String,
 }
 
 #[derive(Default, Deserialize)]
@@ -191,8 +216,36 @@ mod tests {
                     status: "Unknown".into(),
                     last_transition_time: ready.last_transition_time,
                 }),
+                out_of_service: false,
             }
         );
+    }
+
+    #[test]
+    fn out_of_service_table() {
+        for (name, spec, want) in [
+            ("no spec", json!(null), false),
+            ("no taints", json!({}), false),
+            (
+                "another taint",
+                json!({"taints": [{"key": "k", "effect": "NoSchedule"}]}),
+                false,
+            ),
+            (
+                "out of service, NoExecute",
+                json!({"taints": [{"key": "k", "effect": "NoSchedule"},
+                    {"key": OUT_OF_SERVICE, "value": "nodeshutdown", "effect": "NoExecute"}]}),
+                true,
+            ),
+            (
+                "out of service, NoSchedule",
+                json!({"taints": [{"key": OUT_OF_SERVICE, "effect": "NoSchedule"}]}),
+                true,
+            ),
+        ] {
+            let summary: NodeSummary = serde_json::from_value(json!({"spec": spec})).expect(name);
+            assert_eq!(summary.out_of_service, want, "{name}");
+        }
     }
 
     #[test]

@@ -74,32 +74,36 @@ fn api(what: impl Into<String>) -> impl FnOnce(kube::Error) -> E2eError {
 }
 
 /// A node that ran the driver, as the API server shows it: Node, CSINode, a heartbeat Lease
-/// renewed `renewed_ago` ago by a driver renewing every 10 s (as the DaemonSet's does), and its
-/// capacity object for [`CLASS`] (256 MiB free). Nothing runs there: deleting the Node loses
-/// it, a Lease renewed long ago is a driver that stopped.
+/// renewed `renewed_ago` ago by a driver renewing every 10 s (as the DaemonSet's does; `None`:
+/// no Lease, a driver that stopped and whose Lease is gone), and its capacity object for
+/// [`CLASS`] (256 MiB free). Nothing runs there: deleting the Node loses it. The controller
+/// dates a renewal by when it sees the Lease change, whatever its renewTime says: a Lease
+/// created here looks fresh for its 10 s and the heartbeat grace after it is first seen.
 pub async fn driver_node(
     client: &kube::Client,
     node: &str,
-    renewed_ago: Duration,
+    renewed_ago: Option<Duration>,
 ) -> Result<(), E2eError> {
     let namespace = testenv::manifests::NAMESPACE;
     NodeSpec::with_driver(node)
         .create(client, DRIVER)
         .await
         .map_err(|e| E2eError::Cluster(e.to_string()))?;
-    let mut lease =
-        controllers::heartbeat::lease(DRIVER, node, namespace, Duration::from_secs(10), None);
-    if let Some(spec) = lease.spec.as_mut() {
-        let renewed = k8s_openapi::jiff::Timestamp::now()
-            - k8s_openapi::jiff::SignedDuration::try_from(renewed_ago).unwrap_or_default();
-        spec.renew_time = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(
-            renewed,
-        ));
+    if let Some(renewed_ago) = renewed_ago {
+        let mut lease =
+            controllers::heartbeat::lease(DRIVER, node, namespace, Duration::from_secs(10), None);
+        if let Some(spec) = lease.spec.as_mut() {
+            let renewed = k8s_openapi::jiff::Timestamp::now()
+                - k8s_openapi::jiff::SignedDuration::try_from(renewed_ago).unwrap_or_default();
+            spec.renew_time = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(
+                renewed,
+            ));
+        }
+        Api::<Lease>::namespaced(client.clone(), namespace)
+            .create(&PostParams::default(), &lease)
+            .await
+            .map_err(api(format!("creating the heartbeat Lease of {node}")))?;
     }
-    Api::<Lease>::namespaced(client.clone(), namespace)
-        .create(&PostParams::default(), &lease)
-        .await
-        .map_err(api(format!("creating the heartbeat Lease of {node}")))?;
     let free = 256 << 20;
     Api::<CSIStorageCapacity>::namespaced(client.clone(), namespace)
         .create(
@@ -222,7 +226,8 @@ pub async fn delete_lease(client: &kube::Client, node: &str) {
 
 /// The testenv the scenarios run on: the budgets above plus a driverless node, every piece of
 /// the scheduler-extender component (webhook, extender), the controller with short graces (the
-/// node-loss recovery's included) but the shipped `--heartbeat-grace`, and the simulated kubelet.
+/// node-loss recovery's included, and room for every scenario's lost node in its hourly
+/// budget) but the shipped `--heartbeat-grace`, and the simulated kubelet.
 pub fn testenv_builder() -> TestEnvBuilder {
     let mut builder = TestEnv::builder();
     for (node, mib) in BUDGETS {
@@ -236,7 +241,12 @@ pub fn testenv_builder() -> TestEnvBuilder {
             ..Default::default()
         })
         .extender(["--reschedule-grace=2s"])
-        .controller(["--reschedule-grace=2s", "--node-loss-grace=4s"])
+        // Every node-loss scenario recovers a node of its own within the hour.
+        .controller([
+            "--reschedule-grace=2s",
+            "--node-loss-grace=4s",
+            "--node-loss-max-nodes-per-hour=20",
+        ])
         .shipped_heartbeat()
         .kubelet()
 }

@@ -54,7 +54,7 @@ async fn dry_run_reports_and_changes_nothing() {
         .await
         .expect("namespace");
     let lost = format!("{ns}-lost");
-    e2e::driver_node(&client, &lost, Duration::ZERO)
+    e2e::driver_node(&client, &lost, Some(Duration::ZERO))
         .await
         .expect("node");
     let mut claim = test_objects::claim(&ns, "data", CLASS_NO_ERASE, "64Mi");

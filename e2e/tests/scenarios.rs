@@ -719,6 +719,16 @@ async fn capacity_withdrawn(c: &Cluster, node: &str) {
     .expect("capacity withdrawn");
 }
 
+/// Deletes `node` (Node, CSINode) and its driver's heartbeat Lease. On a cluster the Lease
+/// stays and expires after its duration and the heartbeat grace (70 s with the shipped flags);
+/// the recovery does not take a Node deleted while its driver still renews for lost.
+async fn delete_node_and_heartbeat(c: &Cluster, node: &str) {
+    e2e::delete_node(&c.client, node)
+        .await
+        .expect("node deleted");
+    e2e::delete_lease(&c.client, node).await;
+}
+
 /// 13. Recovery after a node is lost for good (testenv only: its controller recovers after
 /// 4 s instead of the component's hour): a StatefulSet whose claim opted in through its
 /// volumeClaimTemplate runs on a node that is then deleted and not replaced → the claim, the
@@ -733,7 +743,7 @@ async fn s13_lost_node_opted_in_claim_starts_elsewhere() {
     }
     let s = c.scenario("node-lost").await.expect("scenario");
     let lost = format!("{}-lost", s.namespace);
-    e2e::driver_node(&c.client, &lost, Duration::ZERO)
+    e2e::driver_node(&c.client, &lost, Some(Duration::ZERO))
         .await
         .expect("node");
     let claim = opted_in(test_objects::claim(
@@ -805,9 +815,7 @@ async fn s13_lost_node_opted_in_claim_starts_elsewhere() {
     .await
     .expect("scheduled");
 
-    e2e::delete_node(&c.client, &lost)
-        .await
-        .expect("node deleted");
+    delete_node_and_heartbeat(&c, &lost).await;
     pv_gone(&c, &old_pv).await;
     let running = until("web-0 to run on another node", WAIT, || async {
         let pod = s.pods.get("web-0").await.map_err(|e| e.to_string())?;
@@ -853,7 +861,7 @@ async fn s14_lost_node_without_opt_in_is_reported_only() {
     }
     let s = c.scenario("node-lost-kept").await.expect("scenario");
     let lost = format!("{}-lost", s.namespace);
-    e2e::driver_node(&c.client, &lost, Duration::ZERO)
+    e2e::driver_node(&c.client, &lost, Some(Duration::ZERO))
         .await
         .expect("node");
     let claim = test_objects::claim(&s.namespace, "data", CLASS_NO_ERASE, "64Mi");
@@ -865,9 +873,7 @@ async fn s14_lost_node_without_opt_in_is_reported_only() {
         spec.node_name = Some(lost.clone());
     }
     s.pod(&pod).await.expect("pod");
-    e2e::delete_node(&c.client, &lost)
-        .await
-        .expect("node deleted");
+    delete_node_and_heartbeat(&c, &lost).await;
     let reported = until("a NodeLost event on the claim", WAIT, || async {
         let events = s.events("NodeLost").await.map_err(|e| e.to_string())?;
         events
@@ -912,8 +918,8 @@ async fn s14_lost_node_without_opt_in_is_reported_only() {
     s.finish().await.expect("leak check");
 }
 
-/// 15. Heartbeat with the shipped flags: a node whose driver stopped renewing its Lease (here
-/// five minutes ago) while Node, labels and CSINode entry stay → its capacity objects are
+/// 15. Heartbeat with the shipped flags: a node whose driver stopped renewing (here: its Lease
+/// is gone) while Node, labels and CSINode entry stay → its capacity objects are
 /// deleted and a claim waiting for it is rescheduled; its pod runs elsewhere.
 #[tokio::test]
 async fn s15_silent_driver_loses_capacity_and_waiting_claims() {
@@ -932,7 +938,7 @@ async fn s15_silent_driver_loses_capacity_and_waiting_claims() {
     let s = c.scenario("silent-driver").await.expect("scenario");
     let silent = format!("{}-silent", s.namespace);
     let started = std::time::Instant::now();
-    e2e::driver_node(&c.client, &silent, Duration::from_secs(300))
+    e2e::driver_node(&c.client, &silent, None)
         .await
         .expect("node");
     let claim = test_objects::selected_for(
@@ -978,9 +984,11 @@ async fn recovery_reconciles(env: &testenv::TestEnv) -> u64 {
 
 /// The rest of 15 on testenv, where the recovery runs (4 s grace): an opted-in volume on the
 /// silent node stays while its kubelet reports Ready, however long past the grace; once Ready
-/// turns Unknown (the kubelet stopped reporting an hour ago) the node is lost: the claim and the
-/// volume are deleted, but external-provisioner's finalizer stays (the Node exists; its driver
-/// may come back to delete the volume).
+/// turns Unknown (the kubelet stopped reporting an hour ago) the node is lost, but may be cut
+/// off rather than dead: an Event asks for the fence and nothing is deleted; once the node
+/// carries the out-of-service taint, the claim and the volume are deleted, but
+/// external-provisioner's finalizer stays (the Node exists; its driver may come back to delete
+/// the volume).
 async fn silent_node_is_lost_only_once_its_kubelet_is(
     c: &Cluster,
     env: &testenv::TestEnv,
@@ -1017,20 +1025,30 @@ async fn silent_node_is_lost_only_once_its_kubelet_is(
         .expect("kept while the kubelet reports");
     assert!(claim.metadata.deletion_timestamp.is_none(), "not deleted");
     let nodes = Api::<Node>::all(c.client.clone());
-    let an_hour_ago =
-        k8s_openapi::jiff::Timestamp::now() - k8s_openapi::jiff::SignedDuration::from_secs(3600);
-    let status = serde_json::json!({"status": {"conditions": [{
-        "type": "Ready",
-        "status": "Unknown",
-        "reason": "NodeStatusUnknown",
-        "message": "Kubelet stopped posting node status.",
-        "lastTransitionTime": an_hour_ago.to_string(),
-        "lastHeartbeatTime": an_hour_ago.to_string(),
+    kubelet_silent(c, silent).await;
+    let awaiting = event_on(s, "NodeLostNotFenced", "kept").await;
+    assert!(
+        awaiting.contains(controllers::node_summary::OUT_OF_SERVICE),
+        "the event names the taint: {awaiting}"
+    );
+    let seen = recovery_reconciles(env).await;
+    until("two more looks at the unfenced node", WAIT, || async {
+        let now = recovery_reconciles(env).await;
+        (now >= seen + 2).then_some(()).ok_or(format!("{now}"))
+    })
+    .await
+    .expect("reconciled");
+    let claim = s.claims.get("kept").await.expect("kept while unfenced");
+    assert!(claim.metadata.deletion_timestamp.is_none(), "not deleted");
+    let taint = serde_json::json!({"spec": {"taints": [{
+        "key": controllers::node_summary::OUT_OF_SERVICE,
+        "value": "nodeshutdown",
+        "effect": "NoExecute",
     }]}});
     nodes
-        .patch_status(silent, &PatchParams::default(), &Patch::Merge(&status))
+        .patch(silent, &PatchParams::default(), &Patch::Merge(&taint))
         .await
-        .expect("Ready Unknown");
+        .expect("out-of-service taint");
     wait::wait_gone(&s.claims, "kept", WAIT)
         .await
         .expect("the claim deleted once the kubelet is silent too");
@@ -1066,4 +1084,106 @@ async fn silent_node_is_lost_only_once_its_kubelet_is(
     e2e::drop_finalizers_until_gone(&c.client, &pv)
         .await
         .expect("PV gone");
+}
+
+/// The message of the first Event `reason` on `claim`, waiting for it.
+async fn event_on(s: &Scenario, reason: &str, claim: &str) -> String {
+    let prefix = format!("{claim}:");
+    until(&format!("a {reason} event on {claim}"), WAIT, || async {
+        let events = s.events(reason).await.map_err(|e| e.to_string())?;
+        events
+            .into_iter()
+            .find(|e| e.starts_with(&prefix))
+            .ok_or("none yet".to_string())
+    })
+    .await
+    .unwrap_or_else(|timeout| panic!("{timeout:?}"))
+}
+
+/// Marks `node`'s kubelet as silent for an hour (condition Ready Unknown), as the node
+/// lifecycle controller does when a kubelet stops reporting.
+async fn kubelet_silent(c: &Cluster, node: &str) {
+    let an_hour_ago =
+        k8s_openapi::jiff::Timestamp::now() - k8s_openapi::jiff::SignedDuration::from_secs(3600);
+    let status = serde_json::json!({"status": {"conditions": [{
+        "type": "Ready",
+        "status": "Unknown",
+        "reason": "NodeStatusUnknown",
+        "message": "Kubelet stopped posting node status.",
+        "lastTransitionTime": an_hour_ago.to_string(),
+        "lastHeartbeatTime": an_hour_ago.to_string(),
+    }]}});
+    Api::<Node>::all(c.client.clone())
+        .patch_status(node, &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .expect("Ready Unknown");
+}
+
+/// 16. The outage guard counts every lost node, not only those holding volumes (testenv only,
+/// as 13): beside the three live nodes, three selected nodes whose driver and kubelet are silent
+/// hold no volume, and a fourth node holding an opted-in claim is deleted — four of seven
+/// nodes look lost, an outage: the recovery refuses, says so on the claim and deletes nothing.
+/// The control: once the silent nodes are gone (removed by the operator), one of four is lost
+/// and the same claim is recovered — so the refusal came from the silent nodes alone.
+#[tokio::test]
+async fn s16_outage_guard_counts_silent_nodes_without_volumes() {
+    let c = cluster().await;
+    let Some(env) = c.env else {
+        eprintln!("skipped: needs testenv (the shipped node-loss grace is an hour)");
+        return;
+    };
+    let s = c.scenario("outage").await.expect("scenario");
+    let lost = format!("{}-lost", s.namespace);
+    let silent: Vec<String> = (1..=3)
+        .map(|i| format!("{}-silent-{i}", s.namespace))
+        .collect();
+    for node in &silent {
+        e2e::driver_node(&c.client, node, None)
+            .await
+            .expect("silent node");
+        kubelet_silent(&c, node).await;
+        capacity_withdrawn(&c, node).await;
+    }
+    e2e::driver_node(&c.client, &lost, Some(Duration::ZERO))
+        .await
+        .expect("node");
+    let claim = opted_in(test_objects::claim(
+        &s.namespace,
+        "data",
+        CLASS_NO_ERASE,
+        "64Mi",
+    ));
+    let pv = e2e::volume_on(&c.client, &lost, claim)
+        .await
+        .expect("volume");
+    delete_node_and_heartbeat(&c, &lost).await;
+    let refused = event_on(&s, "NodeLossRecoveryRefused", "data").await;
+    assert!(
+        refused.contains(&lost) && refused.contains("more than half"),
+        "the event names the node and the count: {refused}"
+    );
+    let seen = recovery_reconciles(env).await;
+    until("two more looks at the volume", WAIT, || async {
+        let now = recovery_reconciles(env).await;
+        (now >= seen + 2).then_some(()).ok_or(format!("{now}"))
+    })
+    .await
+    .expect("reconciled");
+    let kept = s.claims.get("data").await.expect("claim kept");
+    assert!(
+        kept.metadata.deletion_timestamp.is_none(),
+        "nothing deleted during the outage"
+    );
+
+    for node in &silent {
+        e2e::delete_node(&c.client, node)
+            .await
+            .expect("silent node removed");
+    }
+    wait::wait_gone(&s.claims, "data", WAIT)
+        .await
+        .expect("recovered once the outage is over");
+    pv_gone(&c, &pv).await;
+    capacity_withdrawn(&c, &lost).await;
+    s.finish().await.expect("leak check");
 }

@@ -4,7 +4,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use controllers::liveness_view::{LivenessSettings, observation};
+use controllers::liveness::HeartbeatState;
+use controllers::liveness_view::{LivenessSettings, heartbeat_by_wall_clock, observation};
 use controllers::node_summary::NodeSummary;
 use controllers::pod_volumes;
 use controllers::volume_facts::{capacity_node, pv_node};
@@ -176,10 +177,17 @@ async fn observations(
     Ok(names
         .into_iter()
         .map(|name| {
-            let lease = config
+            // One look: the Lease's renewTime by the wall clock (the controller dates renewals
+            // by when it saw them change, which a one-shot command cannot).
+            let heartbeat = config
                 .heartbeat_grace
-                .map(|_| leases.get(&heartbeat_lease_name(&config.driver, &name)));
-            let o = observation(&settings, nodes.get(&name), csinodes.get(&name), lease);
+                .map_or(HeartbeatState::NotUsed, |grace| {
+                    heartbeat_by_wall_clock(
+                        leases.get(&heartbeat_lease_name(&config.driver, &name)),
+                        grace,
+                    )
+                });
+            let o = observation(&settings, nodes.get(&name), csinodes.get(&name), heartbeat);
             (name, o)
         })
         .collect())
