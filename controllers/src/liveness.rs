@@ -140,7 +140,18 @@ pub fn lease_expired(renewed: Option<Instant>, duration: Duration, now: Instant)
 /// restart a silent node is judged one duration and grace later, never earlier).
 #[derive(Debug, Default)]
 pub struct RenewalClock {
-    seen: HashMap<String, (String, Instant)>,
+    seen: HashMap<String, Renewal>,
+}
+
+/// The latest renewal seen of one Lease, when it was seen, and the one before it.
+#[derive(Debug)]
+struct Renewal {
+    latest: String,
+    at: Instant,
+    /// The cache and an uncached read may disagree for a while: seeing the previous value
+    /// again is a stale read, not a renewal (else two readers alternating would keep a dead
+    /// node fresh).
+    previous: Option<String>,
 }
 
 impl RenewalClock {
@@ -158,14 +169,24 @@ impl RenewalClock {
             return HeartbeatState::Expired;
         };
         let observed = match self.seen.get_mut(node) {
-            Some((seen, at)) if seen == renewal => *at,
-            Some(entry) => {
-                *entry = (renewal.to_string(), now);
+            Some(seen) if seen.latest == renewal || seen.previous.as_deref() == Some(renewal) => {
+                seen.at
+            }
+            Some(seen) => {
+                let previous = std::mem::replace(&mut seen.latest, renewal.to_string());
+                seen.previous = Some(previous);
+                seen.at = now;
                 now
             }
             None => {
-                self.seen
-                    .insert(node.to_string(), (renewal.to_string(), now));
+                self.seen.insert(
+                    node.to_string(),
+                    Renewal {
+                        latest: renewal.to_string(),
+                        at: now,
+                        previous: None,
+                    },
+                );
                 now
             }
         };
@@ -349,11 +370,22 @@ mod tests {
             clock.heartbeat("n", Some("2026-12-07T12:00:10Z"), valid, at(142)),
             Expired
         );
-        // A clock that goes backwards still renews: any change is a renewal.
+        // A clock that goes backwards still renews: any new value is a renewal.
         assert_eq!(
             clock.heartbeat("n", Some("2026-12-07T11:00:00Z"), valid, at(143)),
             Fresh
         );
+        // A stale read (the previous value again, from a lagging cache) is no renewal: two
+        // readers alternating cannot keep a silent node fresh.
+        let mut stale = RenewalClock::default();
+        assert_eq!(stale.heartbeat("s", Some("r1"), valid, at(0)), Fresh);
+        assert_eq!(stale.heartbeat("s", Some("r2"), valid, at(1)), Fresh);
+        for t in [30, 60, 70] {
+            assert_eq!(stale.heartbeat("s", Some("r1"), valid, at(t)), Fresh);
+            assert_eq!(stale.heartbeat("s", Some("r2"), valid, at(t)), Fresh);
+        }
+        assert_eq!(stale.heartbeat("s", Some("r1"), valid, at(72)), Expired);
+        assert_eq!(stale.heartbeat("s", Some("r2"), valid, at(72)), Expired);
         // No Lease, or never renewed: expired at once, and forgotten.
         assert_eq!(clock.heartbeat("n", None, valid, at(144)), Expired);
         assert!(clock.is_empty());

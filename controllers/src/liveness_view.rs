@@ -180,11 +180,25 @@ impl LivenessView {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .retain(|node, _| nodes.contains(node));
+        // A heartbeat is remembered while its Lease exists, whatever happened to the Node: a
+        // deleted node's stale Lease seen anew would be dated now and look fresh, and a Node
+        // deleted while its heartbeat is fresh is not lost.
         self.renewals
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .retain(|node| nodes.contains(node));
+            .retain(|node| nodes.contains(node) || self.lease_exists(node));
         nodes
+    }
+
+    /// Whether the caches hold `node`'s heartbeat Lease.
+    fn lease_exists(&self, node: &str) -> bool {
+        self.stores
+            .leases
+            .get(
+                &ObjectRef::<Lease>::new(&heartbeat_lease_name(&self.settings.driver, node))
+                    .within(&self.settings.namespace),
+            )
+            .is_some()
     }
 
     /// [`LivenessView::judge`] without counting as a concern's question (the background pass).

@@ -1287,11 +1287,18 @@ async fn recover_claim(
             uid: claim.metadata.uid.clone(),
             resource_version: claim.metadata.resource_version.clone(),
         };
-        if delete(&claims, &s.name, preconditions, None)
+        match delete(&claims, &s.name, preconditions, None)
             .await
             .map_err(s.err("deleting the claim"))?
         {
-            ctx.metrics.count("claim-deleted");
+            Deletion::Deleted => ctx.metrics.count("claim-deleted"),
+            Deletion::Gone => {}
+            // Its opt-in may have been taken back: neither its pods nor its volume go before
+            // the next reconcile has judged the claim as it is now.
+            Deletion::Changed => {
+                tracing::info!(claim = %label, "the claim changed since it was read; judged again");
+                return Ok(());
+            }
         }
     }
     let pod_api = Api::<Pod>::namespaced(ctx.client.clone(), &s.namespace);
@@ -1305,6 +1312,7 @@ async fn recover_claim(
         if delete(&pod_api, &pod_name, preconditions, Some(0))
             .await
             .map_err(s.err("deleting a pod of the lost node"))?
+            == Deletion::Deleted
         {
             ctx.metrics.count("pod-deleted");
             tracing::info!(pod = %format!("{}/{pod_name}", s.namespace), node, "deleted pod of a lost node");
@@ -1360,13 +1368,25 @@ fn uid_or(claim: &ClaimSummary, fallback: &str) -> String {
         .unwrap_or_else(|| fallback.to_string())
 }
 
-/// Deletes `name` if `preconditions` still hold; false when it was gone or changed already.
+/// What a deletion with preconditions did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Deletion {
+    /// Deleted (or marked for deletion).
+    Deleted,
+    /// It was gone already.
+    Gone,
+    /// It was replaced or changed since the read the decision was made on (a precondition
+    /// failed): nothing was deleted, and nothing that follows from it may be.
+    Changed,
+}
+
+/// Deletes `name` if `preconditions` still hold.
 async fn delete<K>(
     api: &Api<K>,
     name: &str,
     preconditions: Preconditions,
     grace_period_seconds: Option<u32>,
-) -> Result<bool, kube::Error>
+) -> Result<Deletion, kube::Error>
 where
     K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
@@ -1376,9 +1396,9 @@ where
         ..DeleteParams::default()
     };
     match api.delete(name, &params).await {
-        Ok(_) => Ok(true),
-        // Gone, or replaced or changed since the read (preconditions): judged again.
-        Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => Ok(false),
+        Ok(_) => Ok(Deletion::Deleted),
+        Err(kube::Error::Api(e)) if e.code == 404 => Ok(Deletion::Gone),
+        Err(kube::Error::Api(e)) if e.code == 409 => Ok(Deletion::Changed),
         Err(e) => Err(e),
     }
 }
