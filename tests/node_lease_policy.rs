@@ -4,9 +4,12 @@
 //! to. Here, against testenv's real API server with the rendered policy applied, a node's
 //! identity writes its own heartbeat and is refused, in the policy's name, another node's
 //! heartbeat and the controller's leader Lease, created or updated; a token bound to no node
-//! writes no Lease at all.
+//! writes no Lease at all. Likewise for PersistentVolumes (`manifests/base/volume-policy.yaml`):
+//! a node's identity writes only this driver's PVs pinned to its node, the controller's only
+//! this driver's.
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::api::core::v1::PersistentVolume;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Api;
 use kube::api::PostParams;
@@ -215,4 +218,144 @@ async fn a_token_bound_to_no_node_writes_no_lease() {
             .await,
     );
     assert!(message.contains("bound to no node"), "{message}");
+}
+
+/// The manifests' policy on PersistentVolumes (`manifests/base/volume-policy.yaml`).
+const NODE_VOLUMES: &str = "pmem-csi-intel-com-node-volumes";
+const CONTROLLER_VOLUMES: &str = "pmem-csi-intel-com-controller-volumes";
+
+/// A PV API as the node ServiceAccount of `node` (or with a token bound to no node).
+async fn volumes_as(env: &TestEnv, node: Option<&str>) -> Api<PersistentVolume> {
+    let kubeconfig = match node {
+        Some(node) => env
+            .node_identity_kubeconfig(node)
+            .await
+            .expect("node token"),
+        None => env
+            .service_account_kubeconfig("pmem-csi-intel-com-node")
+            .expect("node ServiceAccount kubeconfig")
+            .to_path_buf(),
+    };
+    let client = testenv::control_plane::client_from(&kubeconfig, "node")
+        .await
+        .expect("client");
+    Api::all(client)
+}
+
+/// Panics unless `result` is `policy`'s refusal.
+fn refused_by<T: std::fmt::Debug>(policy: &str, what: &str, result: Result<T, kube::Error>) {
+    let by = format!("ValidatingAdmissionPolicy '{policy}'");
+    match result {
+        Err(kube::Error::Api(status)) if status.code == 403 && status.message.contains(&by) => {}
+        Err(e) => panic!("{what}: refused, but not by {by}: {e}"),
+        Ok(_) => panic!("{what}: allowed, but {by} must refuse it"),
+    }
+}
+
+/// A node's identity writes only this driver's PVs pinned to its own node; the controller's
+/// only this driver's PVs. Each refusal is the policy's, and its control (the same write of an
+/// allowed PV) succeeds.
+#[tokio::test]
+async fn volumes_are_written_only_by_their_node_and_driver() {
+    use controllers::test_objects::csi_volume;
+    let env = env();
+    let pp = PostParams::default();
+    let admin = Api::<PersistentVolume>::all(env.client().await.expect("admin"));
+    let node1 = volumes_as(env, Some("node-1")).await;
+    // The policy takes a moment to hold after the manifests are applied.
+    let on_node2 = csi_volume("policy-on-node-2", DRIVER, "h2", Some("node-2"));
+    testenv::wait::until(
+        "the volume policy to hold",
+        std::time::Duration::from_secs(30),
+        || async {
+            match node1.create(&pp, &on_node2).await {
+                Err(kube::Error::Api(s)) if s.code == 403 => Ok(()),
+                Ok(_) => {
+                    let _ = admin.delete("policy-on-node-2", &Default::default()).await;
+                    Err("allowed".to_string())
+                }
+                Err(e) => Err(e.to_string()),
+            }
+        },
+    )
+    .await
+    .expect("policy holds");
+    refused_by(
+        NODE_VOLUMES,
+        "node-1 creating a PV of node-2",
+        node1.create(&pp, &on_node2).await,
+    );
+    let other_driver = csi_volume(
+        "policy-other-driver",
+        "other.csi.example.com",
+        "h3",
+        Some("node-1"),
+    );
+    refused_by(
+        NODE_VOLUMES,
+        "node-1 creating another driver's PV",
+        node1.create(&pp, &other_driver).await,
+    );
+    let unbound = volumes_as(env, None).await;
+    let own = csi_volume("policy-on-node-1", DRIVER, "h1", Some("node-1"));
+    refused_by(
+        NODE_VOLUMES,
+        "a token bound to no node",
+        unbound.create(&pp, &own).await,
+    );
+    node1
+        .create(&pp, &own)
+        .await
+        .expect("node-1 creates its own PV");
+    // node-2 may not delete node-1's volume; node-1 may.
+    let node2 = volumes_as(env, Some("node-2")).await;
+    refused_by(
+        NODE_VOLUMES,
+        "node-2 deleting node-1's PV",
+        node2.delete("policy-on-node-1", &Default::default()).await,
+    );
+
+    // The controller: patches this driver's PVs, not another's.
+    let controller = Api::<PersistentVolume>::all(
+        testenv::control_plane::client_from(
+            env.service_account_kubeconfig("pmem-csi-intel-com-controller")
+                .expect("controller ServiceAccount kubeconfig"),
+            "controller",
+        )
+        .await
+        .expect("client"),
+    );
+    admin
+        .create(&pp, &other_driver)
+        .await
+        .expect("admin creates another driver's PV");
+    let label =
+        kube::api::Patch::Merge(serde_json::json!({"metadata": {"labels": {"touched": "yes"}}}));
+    refused_by(
+        CONTROLLER_VOLUMES,
+        "the controller patching another driver's PV",
+        controller
+            .patch(
+                "policy-other-driver",
+                &kube::api::PatchParams::default(),
+                &label,
+            )
+            .await,
+    );
+    controller
+        .patch(
+            "policy-on-node-1",
+            &kube::api::PatchParams::default(),
+            &label,
+        )
+        .await
+        .expect("the controller patches this driver's PV");
+    node1
+        .delete("policy-on-node-1", &Default::default())
+        .await
+        .expect("node-1 deletes its own PV");
+    admin
+        .delete("policy-other-driver", &Default::default())
+        .await
+        .expect("admin deletes");
 }
