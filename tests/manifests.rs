@@ -155,6 +155,49 @@ fn probe_port(container: &Value, probe: &Value) -> Option<u16> {
         .and_then(|n| u16::try_from(n).ok())
 }
 
+/// Every container runs without privilege and without capabilities, except the node driver,
+/// which mounts and makes devices (privileged).
+#[test]
+fn containers_drop_every_capability_except_the_node_driver() {
+    let rendered = env().manifests();
+    let workloads = [
+        ("DaemonSet", "pmem-csi-intel-com-node"),
+        ("Deployment", "pmem-csi-intel-com-controller"),
+        ("DaemonSet", "pmem-csi-intel-com-extender"),
+    ];
+    let mut checked = 0;
+    for (kind, name) in workloads {
+        for container in containers(rendered, kind, name) {
+            let cname = container["name"].as_str().unwrap_or_default();
+            let security = &container["securityContext"];
+            if kind == "DaemonSet" && name.ends_with("-node") && cname == "pmem-driver" {
+                assert_eq!(security["privileged"].as_bool(), Some(true), "{cname}");
+                continue;
+            }
+            checked += 1;
+            let what = format!("{kind} {name} container {cname}");
+            assert_ne!(security["privileged"].as_bool(), Some(true), "{what}");
+            assert_eq!(
+                security["allowPrivilegeEscalation"].as_bool(),
+                Some(false),
+                "{what}: allowPrivilegeEscalation"
+            );
+            let drops: Vec<&str> = security["capabilities"]["drop"]
+                .as_sequence()
+                .into_iter()
+                .flatten()
+                .filter_map(|v| v.as_str())
+                .collect();
+            assert_eq!(drops, ["ALL"], "{what}: capabilities.drop");
+            assert!(
+                security["capabilities"]["add"].is_null(),
+                "{what}: capabilities.add"
+            );
+        }
+    }
+    assert!(checked >= 5, "only {checked} containers checked");
+}
+
 #[test]
 fn probes_selectors_and_sockets_agree() {
     let rendered = env().manifests();
