@@ -82,6 +82,7 @@ KUBE_PROXY=$K8S_BIN/kube-proxy
 mapfile -t IMAGES < <(bash "$here/node-tools.sh" --print-images)
 
 BRIDGE=pmcsi0
+FORWARD_TABLE=realnode-forward     # nft table limiting forwarding to the cluster
 HOST_IP=10.213.0.1
 API_PORT=16443
 API=https://$HOST_IP:$API_PORT
@@ -210,6 +211,21 @@ make_pki() {
   openssl req -new -key "$d/front-proxy-client.key" -subj "/CN=front-proxy-client" 2>/dev/null |
     openssl x509 -req -CA "$d/front-proxy-ca.crt" -CAkey "$d/front-proxy-ca.key" -CAcreateserial \
       -days 30 -sha256 -extfile <(echo "extendedKeyUsage=clientAuth") -out "$d/front-proxy-client.crt" 2>/dev/null
+  # etcd: a CA of its own, so that no other certificate of the cluster (a node's) is accepted
+  # by etcd's client-cert-auth.
+  openssl ecparam -name prime256v1 -genkey -noout -out "$d/etcd-ca.key" 2>/dev/null
+  openssl req -x509 -new -key "$d/etcd-ca.key" -subj "/CN=realnode-etcd-ca" -days 30 -sha256 \
+    -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign,digitalSignature" \
+    -out "$d/etcd-ca.crt" 2>/dev/null
+  local name eku
+  for name in etcd-server etcd-client; do
+    eku=serverAuth; [[ $name == etcd-client ]] && eku=clientAuth
+    openssl ecparam -name prime256v1 -genkey -noout -out "$d/$name.key" 2>/dev/null
+    openssl req -new -key "$d/$name.key" -subj "/CN=$name" 2>/dev/null |
+      openssl x509 -req -CA "$d/etcd-ca.crt" -CAkey "$d/etcd-ca.key" -CAcreateserial -days 30 -sha256 \
+        -extfile <(echo "extendedKeyUsage=$eku"; echo "subjectAltName=IP:$HOST_IP,IP:127.0.0.1") \
+        -out "$d/$name.crt" 2>/dev/null
+  done
   openssl genrsa -out "$d/sa.key" 2048 2>/dev/null
   openssl rsa -in "$d/sa.key" -pubout -out "$d/sa.pub" 2>/dev/null
   kubeconfig admin admin
@@ -222,7 +238,18 @@ make_pki() {
 # ---------------------------------------------------------------------------------------------
 # Control plane
 # ---------------------------------------------------------------------------------------------
+# $TOP holds keys and what root runs: a directory someone else made (it is under /tmp by
+# default) is refused, a new one is root's alone.
+safe_top() {
+  if [[ -L $TOP || (-e $TOP && ! -d $TOP) ]]; then die "$TOP is not a directory"; fi
+  if [[ ! -d $TOP ]]; then mkdir -m 0700 "$TOP"; return; fi
+  [[ $(stat -c %u "$TOP") == 0 ]] || die "$TOP is not owned by root: remove it or set PMEM_CSI_REAL_NODES_DIR"
+  (( (8#$(stat -c %a "$TOP") & 8#022) == 0 )) || die "$TOP is writable by others: remove it"
+  chmod 0700 "$TOP"
+}
+
 preflight() {
+  safe_top
   [[ -e $S ]] && die "$S exists: run '$0 stop' first"
   ip link show "$BRIDGE" >/dev/null 2>&1 && die "link $BRIDGE exists: run '$0 stop' first"
   local b
@@ -245,25 +272,49 @@ host_network() {
   # Service request that kube-proxy sends to the other node's endpoint times out. stop restores
   # the previous value (saved with HOST_SYSCTLS by start).
   sysctl -qw net.ipv4.ip_forward=1
+  # ...but only for the cluster: its bridge and the nodes' veths forward among themselves;
+  # nothing else crosses the bridge, and where forwarding was off before, nothing else is
+  # forwarded at all (stop deletes the table).
+  local ours="\"$BRIDGE\"" n others
+  for n in "${NODES[@]}"; do ours+=", \"rn-$n\""; done
+  others="iifname \"$BRIDGE\" drop; oifname \"$BRIDGE\" drop"
+  grep -qx 'net.ipv4.ip_forward=0' "$SYSCTL_SAVED" && others=drop
+  nft -f - <<EOF
+table inet $FORWARD_TABLE {
+  chain forward {
+    type filter hook forward priority filter; policy accept;
+    iifname { $ours } oifname { $ours } accept
+    $others
+  }
+}
+EOF
 }
 
 start_control_plane() {
   mkdir -p "$S/etcd"
   spawn etcd "$K8S_BIN/etcd" --name=realnode --data-dir="$S/etcd" \
-    --listen-client-urls="http://$HOST_IP:$ETCD_PORT" --advertise-client-urls="http://$HOST_IP:$ETCD_PORT" \
-    --listen-peer-urls="http://$HOST_IP:2380" --initial-advertise-peer-urls="http://$HOST_IP:2380" \
-    --initial-cluster="realnode=http://$HOST_IP:2380" --unsafe-no-fsync=true --log-level=warn \
+    --listen-client-urls="https://$HOST_IP:$ETCD_PORT" --advertise-client-urls="https://$HOST_IP:$ETCD_PORT" \
+    --cert-file="$S/pki/etcd-server.crt" --key-file="$S/pki/etcd-server.key" \
+    --client-cert-auth --trusted-ca-file="$S/pki/etcd-ca.crt" \
+    --listen-peer-urls="http://127.0.0.1:2380" --initial-advertise-peer-urls="http://127.0.0.1:2380" \
+    --initial-cluster="realnode=http://127.0.0.1:2380" --unsafe-no-fsync=true --log-level=warn \
     --listen-metrics-urls=""
-  wait_for 60 etcd curl -sf "http://$HOST_IP:$ETCD_PORT/health"
-
   local d=$S/pki
+  wait_for 60 etcd curl -sf --cacert "$d/etcd-ca.crt" --cert "$d/etcd-client.crt" \
+    --key "$d/etcd-client.key" "https://$HOST_IP:$ETCD_PORT/health"
+  # Without a client certificate etcd refuses: the bridge address serves nobody else.
+  if curl -sf --cacert "$d/etcd-ca.crt" "https://$HOST_IP:$ETCD_PORT/health" >/dev/null 2>&1; then
+    die "etcd answers a client without a certificate"
+  fi
+
   # Node,RBAC + NodeRestriction; ServiceAccount admission is on by default (projected tokens);
   # aggregator routing makes the apiserver dial webhook/APIService endpoints (pod IPs) directly.
   # GODEBUG=tlssha1=1: busybox's wget sends no signature_algorithms extension, which means SHA-1
   # signatures, refused since Go 1.25 (RFC 9155) -> "TLS error from peer (alert code 40)".
   # Only for the busybox check; real clients (rustls, client-go) do not need it.
   spawn kube-apiserver env GODEBUG=tlssha1=1 "$K8S_BIN/kube-apiserver" \
-    --etcd-servers="http://$HOST_IP:$ETCD_PORT" \
+    --etcd-servers="https://$HOST_IP:$ETCD_PORT" --etcd-cafile="$d/etcd-ca.crt" \
+    --etcd-certfile="$d/etcd-client.crt" --etcd-keyfile="$d/etcd-client.key" \
     --bind-address="$HOST_IP" --advertise-address="$HOST_IP" --secure-port="$API_PORT" \
     --tls-cert-file="$d/apiserver.crt" --tls-private-key-file="$d/apiserver.key" \
     --client-ca-file="$d/ca.crt" \
@@ -519,9 +570,9 @@ changed_sysctls() {
 start() {
   local t0=$SECONDS
   preflight
-  mkdir -p "$TOP"
   # A saved set left by a failed stop holds the host's real values: keep it.
   [[ -e $SYSCTL_SAVED ]] || host_sysctls >"$SYSCTL_SAVED"
+  mkdir -m 0700 "$S"
   mkdir -p "$S"/{pki,logs,pids} "$RUNDIR"
   mountpoint -q "$RUNDIR" || { mount --bind "$RUNDIR" "$RUNDIR"; mount --make-private "$RUNDIR"; }
   # the per-node dirs need mount points on the host; remember which ones we create
@@ -1222,6 +1273,7 @@ stop() {
     ip netns del "$(netns_name "$n")" 2>/dev/null || true
   done
   ip link del "$BRIDGE" 2>/dev/null || true
+  nft delete table inet "$FORWARD_TABLE" 2>/dev/null || true
   restore_sysctls
   if [[ -z $(changed_sysctls) ]]; then rm -f "$SYSCTL_SAVED"; fi
   if mountpoint -q "$RUNDIR"; then umount "$RUNDIR"; fi
@@ -1284,6 +1336,7 @@ leftovers() {
   if grep -E "realnode|$S|/var/lib/kubelet|pmem-csi" /proc/self/mountinfo; then log "leftover mounts ^"; found=1; fi
   if ip -o link | grep -E "$BRIDGE|rn-node"; then log "leftover links ^"; found=1; fi
   if ip netns list | grep realnode; then log "leftover netns ^"; found=1; fi
+  if nft list table inet "$FORWARD_TABLE" >/dev/null 2>&1; then log "leftover nft table inet $FORWARD_TABLE"; found=1; fi
   if ip route | grep -E '10\.214\.|10\.213\.'; then log "leftover routes ^"; found=1; fi
   if [[ -n $(our_loops) ]]; then log "leftover loop devices: $(our_loops)"; found=1; fi
   # after $S is gone, a loop device of ours shows its node-side backing path
