@@ -235,8 +235,18 @@ impl Headcount {
     }
 }
 
+/// Whether a PV still serves a claim: it has a claimRef and is not Released or Failed (a PV
+/// kept by reclaim policy Retain long after its claim and node are gone serves nobody, and
+/// must not count its node towards the [`Headcount`] for ever).
+pub fn serves_a_claim(pv: &PersistentVolume) -> bool {
+    let phase = pv.status.as_ref().and_then(|s| s.phase.as_deref());
+    pv.spec.as_ref().is_some_and(|s| s.claim_ref.is_some())
+        && !matches!(phase, Some("Released" | "Failed"))
+}
+
 /// Whether a node counts towards the [`Headcount`]: a Node that exists and matches the
-/// selector, or a node without a Node object that a volume of the driver still names.
+/// selector, or a node without a Node object that a volume of the driver still serving a
+/// claim names.
 pub fn counted(exists: bool, selected: bool, holds_volumes: bool) -> bool {
     if exists { selected } else { holds_volumes }
 }
@@ -748,12 +758,14 @@ impl Context {
         lock(&self.clock).observe(node, lost, Instant::now())
     }
 
-    /// The nodes that this driver's volumes name.
-    fn volume_nodes(&self) -> HashSet<String> {
+    /// The nodes that this driver's volumes name (`serving`: only volumes that still serve a
+    /// claim, [`serves_a_claim`]).
+    fn volume_nodes(&self, serving: bool) -> HashSet<String> {
         let driver = self.driver();
         self.volumes
             .state()
             .iter()
+            .filter(|pv| !serving || serves_a_claim(pv))
             .filter_map(|pv| pv_node(pv, driver))
             .collect()
     }
@@ -775,7 +787,7 @@ impl Context {
             }
             existing.insert(name);
         }
-        for name in self.volume_nodes().difference(&existing) {
+        for name in self.volume_nodes(true).difference(&existing) {
             let heartbeat = self.liveness.observe(name).heartbeat;
             let driverless = self.liveness.driverless_for(name);
             count.add(lost_for(driverless, heartbeat, Kubelet::NodeGone).is_some());
@@ -841,7 +853,7 @@ impl Context {
             }
             existing.insert(name);
         }
-        for name in self.volume_nodes().difference(&existing) {
+        for name in self.volume_nodes(true).difference(&existing) {
             let driverless = Some((DriverlessReason::NodeMissing, Duration::ZERO));
             count.add(lost_for(driverless, heartbeat(name), Kubelet::NodeGone).is_some());
         }
@@ -919,7 +931,7 @@ impl Context {
             .filter_map(|pv| pv.metadata.name.clone())
             .collect();
         lock(&self.reported).retain(|_, volume| volumes.contains(volume));
-        let nodes = self.volume_nodes();
+        let nodes = self.volume_nodes(false);
         lock(&self.clock).retain(|node| nodes.contains(node));
     }
 
@@ -1967,6 +1979,32 @@ mod tests {
             let count = headcount(&nodes);
             assert_eq!(count, want, "{name}");
             assert_eq!(count.too_many_lost(), refuse, "{name}");
+        }
+    }
+
+    #[test]
+    fn a_volume_serves_a_claim_until_it_is_released() {
+        use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolumeStatus};
+        let pv = |claim: bool, phase: Option<&str>| {
+            let mut pv = crate::test_objects::csi_volume("pv", "d", "h", Some("n"));
+            if let Some(spec) = pv.spec.as_mut() {
+                spec.claim_ref = claim.then(ObjectReference::default);
+            }
+            pv.status = phase.map(|p| PersistentVolumeStatus {
+                phase: Some(p.into()),
+                ..Default::default()
+            });
+            pv
+        };
+        for (claim, phase, want) in [
+            (true, Some("Bound"), true),
+            (true, Some("Pending"), true),
+            (true, None, true),
+            (true, Some("Released"), false),
+            (true, Some("Failed"), false),
+            (false, Some("Available"), false),
+        ] {
+            assert_eq!(serves_a_claim(&pv(claim, phase)), want, "{claim} {phase:?}");
         }
     }
 
