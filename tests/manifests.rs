@@ -118,6 +118,13 @@ fn every_kustomization_renders_and_the_api_server_accepts_it() {
     }
 }
 
+/// The workloads of the rendered manifests (with the scheduler-extender component).
+const WORKLOADS: [(&str, &str); 3] = [
+    ("DaemonSet", "pmem-csi-intel-com-node"),
+    ("Deployment", "pmem-csi-intel-com-controller"),
+    ("DaemonSet", "pmem-csi-intel-com-extender"),
+];
+
 fn containers<'a>(rendered: &'a Rendered, kind: &str, name: &str) -> Vec<&'a Value> {
     rendered
         .pod_spec(kind, name)
@@ -160,11 +167,7 @@ fn probe_port(container: &Value, probe: &Value) -> Option<u16> {
 #[test]
 fn containers_drop_every_capability_except_the_node_driver() {
     let rendered = env().manifests();
-    let workloads = [
-        ("DaemonSet", "pmem-csi-intel-com-node"),
-        ("Deployment", "pmem-csi-intel-com-controller"),
-        ("DaemonSet", "pmem-csi-intel-com-extender"),
-    ];
+    let workloads = WORKLOADS;
     let mut checked = 0;
     for (kind, name) in workloads {
         for container in containers(rendered, kind, name) {
@@ -201,11 +204,7 @@ fn containers_drop_every_capability_except_the_node_driver() {
 #[test]
 fn probes_selectors_and_sockets_agree() {
     let rendered = env().manifests();
-    let workloads = [
-        ("DaemonSet", "pmem-csi-intel-com-node"),
-        ("Deployment", "pmem-csi-intel-com-controller"),
-        ("DaemonSet", "pmem-csi-intel-com-extender"),
-    ];
+    let workloads = WORKLOADS;
     let mut probed = 0;
     for (kind, name) in workloads {
         for container in containers(rendered, kind, name) {

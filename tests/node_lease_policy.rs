@@ -40,6 +40,12 @@ fn env() -> &'static TestEnv {
 /// A Lease API in the driver namespace as the node ServiceAccount of `node` (its token bound to
 /// that Node, as on a cluster), or with a token bound to no node (`None`).
 async fn leases_as(env: &TestEnv, node: Option<&str>) -> Api<Lease> {
+    Api::namespaced(node_client(env, node).await, NAMESPACE)
+}
+
+/// A client as the node ServiceAccount of `node` (its token bound to that Node, as on a
+/// cluster), or with a token bound to no node (`None`).
+async fn node_client(env: &TestEnv, node: Option<&str>) -> kube::Client {
     let (kubeconfig, name) = match node {
         Some(node) => (
             env.node_identity_kubeconfig(node)
@@ -54,10 +60,9 @@ async fn leases_as(env: &TestEnv, node: Option<&str>) -> Api<Lease> {
             "unbound".to_string(),
         ),
     };
-    let client = testenv::control_plane::client_from(&kubeconfig, &name)
+    testenv::control_plane::client_from(&kubeconfig, &name)
         .await
-        .expect("client");
-    Api::namespaced(client, NAMESPACE)
+        .expect("client")
 }
 
 async fn admin_leases(env: &TestEnv) -> Api<Lease> {
@@ -226,20 +231,7 @@ const CONTROLLER_VOLUMES: &str = "pmem-csi-intel-com-controller-volumes";
 
 /// A PV API as the node ServiceAccount of `node` (or with a token bound to no node).
 async fn volumes_as(env: &TestEnv, node: Option<&str>) -> Api<PersistentVolume> {
-    let kubeconfig = match node {
-        Some(node) => env
-            .node_identity_kubeconfig(node)
-            .await
-            .expect("node token"),
-        None => env
-            .service_account_kubeconfig("pmem-csi-intel-com-node")
-            .expect("node ServiceAccount kubeconfig")
-            .to_path_buf(),
-    };
-    let client = testenv::control_plane::client_from(&kubeconfig, "node")
-        .await
-        .expect("client");
-    Api::all(client)
+    Api::all(node_client(env, node).await)
 }
 
 /// Panics unless `result` is `policy`'s refusal.
